@@ -1,5 +1,12 @@
-"""autockpt: automatic activation checkpointing and exact training checkpoints for PyTorch."""
+"""autockpt: automatic activation checkpointing and exact training checkpoints for PyTorch.
 
+Example:
+    >>> import torch, autockpt
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    >>> ckpt = autockpt.apply(net, budget_mb=0.5, example_inputs=(torch.randn(32, 256),))
+"""
+
+from autockpt.api import apply, plan, plan_of
 from autockpt.errors import (
     AutockptError,
     CheckpointError,
@@ -7,6 +14,7 @@ from autockpt.errors import (
     InvalidArgumentError,
     TraceError,
 )
+from autockpt.planner import STRATEGIES, Plan, Segment
 
 __version__ = "0.1.0"
 
@@ -15,6 +23,12 @@ __all__ = [
     "CheckpointError",
     "InfeasibleBudgetError",
     "InvalidArgumentError",
+    "Plan",
+    "STRATEGIES",
+    "Segment",
     "TraceError",
     "__version__",
+    "apply",
+    "plan",
+    "plan_of",
 ]

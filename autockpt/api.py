@@ -1,0 +1,245 @@
+"""The public entry points: ``apply``, ``plan`` and ``plan_of``.
+
+They validate arguments, run the stages (trace, profile, plan, rewrite) and re-raise what goes
+wrong inside with the user's context: the model, the inputs, the budget, and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+from numbers import Real
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.planner import MODES, STRATEGIES, Plan, make_plan
+from autockpt.profile import profile
+from autockpt.rewrite import graph_fingerprint
+from autockpt.runtime import ApplyConfig, is_checkpointed, make_checkpointed
+from autockpt.trace import base_class, bind_inputs, trace
+
+__all__ = ["apply", "plan", "plan_of"]
+
+MIB = 2**20
+
+
+def apply(
+    model: nn.Module,
+    budget_mb: float | None = None,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    plan: Plan | None = None,
+    mode: str = "non_reentrant",
+    strategy: str = "greedy",
+) -> nn.Module:
+    """Return a module that trains like ``model`` with activation memory within ``budget_mb``.
+
+    The result is an instance of ``model``'s own class holding the very same submodules and
+    Parameter objects (``state_dict()`` keys are identical). In train mode with gradients
+    enabled its forward runs checkpointed segments; in eval mode or under ``torch.no_grad()``
+    it runs ``model``'s own forward. ``model`` itself is not changed.
+
+    Args:
+        model: the module to transform.
+        budget_mb: MiB (2**20 bytes) allowed for peak activation memory of one forward and
+            backward at the input size; ``None`` asks for the least memory reachable.
+        example_inputs: positional inputs (a tensor or a tuple) to plan for now; a dict is
+            taken as keyword inputs. Without them, planning happens at the first training
+            forward, from the real batch, and again for each new input signature.
+        example_kwargs: keyword inputs to plan for.
+        plan: a plan from :func:`plan` to apply as it is (no budget then).
+        mode: ``"non_reentrant"`` (default) or ``"reentrant"`` checkpoint.
+        strategy: how segments are chosen: ``"greedy"`` (least recompute found under the
+            budget) or ``"sqrt"`` (Chen et al.'s sqrt(n) segments).
+
+    Example:
+        >>> import torch, autockpt
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        >>> x = torch.randn(32, 256)
+        >>> ckpt = autockpt.apply(net, budget_mb=0.5, example_inputs=(x,))
+        >>> ckpt(x).sum().backward()
+        >>> len(autockpt.plan_of(ckpt).segments) > 0
+        True
+
+    Raises:
+        InvalidArgumentError: a bad argument (the message names it and the fix).
+        TraceError: the model cannot be traced by torch.fx.
+        InfeasibleBudgetError: the budget cannot be met; it says the least that can.
+    """
+    _check_model(model)
+    budget_bytes = _budget_bytes(budget_mb)
+    _check_choice("mode", mode, MODES)
+    _check_choice("strategy", strategy, tuple(STRATEGIES))
+    if plan is not None and not isinstance(plan, Plan):
+        raise InvalidArgumentError(
+            f"plan must be an autockpt.Plan, got {type(plan).__name__}",
+            fix="make one with autockpt.plan(model, example_inputs, budget_mb=...)",
+        )
+    if plan is not None and budget_mb is not None:
+        raise InvalidArgumentError(
+            "pass either budget_mb or plan, not both: a plan already fixes the segments",
+            fix="drop budget_mb, or make the plan with that budget",
+        )
+    if plan is not None and plan.mode != mode:
+        mode = plan.mode
+    source = model
+    if is_checkpointed(model):
+        source = model  # re-planning a transformed module starts from its shared tree
+    config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan)
+    transformed = make_checkpointed(source, config)
+    if example_inputs is not None or example_kwargs is not None:
+        args, kwargs = _split_inputs(example_inputs, example_kwargs)
+        _with_context(transformed, args, kwargs, lambda: transformed._autockpt.prepare(
+            transformed, args, kwargs))
+    return transformed
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    budget_mb: float | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    mode: str = "non_reentrant",
+    strategy: str = "greedy",
+) -> Plan:
+    """Plan checkpoint segments for ``model`` at these inputs without changing anything.
+
+    Tracing and profiling run on fake tensors: no memory is allocated for activations, and
+    ``model``'s parameters, buffers and RNG streams are left as they were.
+
+    Example:
+        >>> import torch, autockpt
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        >>> p = autockpt.plan(net, (torch.randn(32, 256),), budget_mb=0.5)
+        >>> p.estimated_peak_bytes <= p.budget_bytes
+        True
+
+    Raises:
+        InvalidArgumentError, TraceError, InfeasibleBudgetError: as for :func:`apply`.
+    """
+    _check_model(model)
+    budget_bytes = _budget_bytes(budget_mb)
+    _check_choice("mode", mode, MODES)
+    _check_choice("strategy", strategy, tuple(STRATEGIES))
+    if example_inputs is None and example_kwargs is None:
+        raise InvalidArgumentError(
+            "plan() needs example inputs: activation sizes depend on the input size",
+            fix="call autockpt.plan(model, (x,)) with a batch shaped like the real one",
+        )
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+
+    def run() -> Plan:
+        traced = trace(model, args, kwargs)
+        stats = profile(traced, bind_inputs(model, args, kwargs))
+        result = make_plan(stats, budget_bytes, strategy=strategy, mode=mode,
+                           model=base_class(model).__name__)
+        return replace(result, graph_fingerprint=graph_fingerprint(traced.graph))
+
+    return _with_context(model, args, kwargs, run)
+
+
+def plan_of(module: nn.Module) -> Plan:
+    """The plan a transformed module runs (for the input size it saw last).
+
+    Example:
+        >>> import torch, autockpt
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> ckpt = autockpt.apply(net, example_inputs=(torch.randn(2, 4),))
+        >>> autockpt.plan_of(ckpt).model
+        'Sequential'
+
+    Raises:
+        InvalidArgumentError: ``module`` was not returned by :func:`apply`.
+        AutockptError: it has not planned yet (no example inputs and no training forward).
+    """
+    if not is_checkpointed(module):
+        raise InvalidArgumentError(
+            f"{type(module).__name__} is not a module returned by autockpt.apply",
+            fix="pass the module that autockpt.apply(model, ...) returned",
+        )
+    state = module.__dict__["_autockpt"]
+    if state.last_plan is None:
+        raise AutockptError(
+            "this module has not planned yet: it plans at its first training forward",
+            fix="run one training step first, or pass example_inputs to autockpt.apply",
+        )
+    return state.last_plan
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}",
+            fix="pass the module itself (e.g. MyNet()), not its class, a function or a "
+            "state_dict",
+        )
+
+
+def _budget_bytes(budget_mb: Any) -> int | None:
+    if budget_mb is None:
+        return None
+    if isinstance(budget_mb, bool) or not isinstance(budget_mb, Real):
+        raise InvalidArgumentError(
+            f"budget_mb must be a number of MiB or None, got {budget_mb!r}",
+            fix="pass e.g. budget_mb=300 for 300 MiB, or None for the least memory reachable",
+        )
+    value = float(budget_mb)
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(
+            f"budget_mb must be a positive, finite number of MiB, got {budget_mb!r}",
+            fix="pass e.g. budget_mb=300 for 300 MiB, or None for the least memory reachable",
+        )
+    return max(1, int(value * MIB))
+
+
+def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise InvalidArgumentError(
+            f"unknown {name} {value!r}", fix=f"use one of: {', '.join(repr(v) for v in valid)}"
+        )
+
+
+def _split_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None
+                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    kwargs = dict(example_kwargs or {})
+    if example_inputs is None:
+        return (), kwargs
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), kwargs
+    if isinstance(example_inputs, Mapping):
+        return (), {**dict(example_inputs), **kwargs}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), kwargs
+    raise InvalidArgumentError(
+        f"example_inputs must be a tensor, a tuple of positional inputs or a dict of keyword "
+        f"inputs, got {type(example_inputs).__name__}",
+        fix="pass example_inputs=(x,) for model(x)",
+    )
+
+
+def _with_context(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Any
+                  ) -> Any:
+    """Run ``fn``; an error that is not ours means the forward failed on the inputs."""
+    try:
+        return fn()
+    except AutockptError:
+        raise
+    except Exception as err:
+        from autockpt.profile import describe_inputs
+
+        name = base_class(model).__name__
+        raise InvalidArgumentError(
+            f"{name}.forward failed on the example inputs ({describe_inputs(args, kwargs)}): "
+            f"{type(err).__name__}: {err}",
+            fix="check that the example inputs have the shapes and dtypes the model expects "
+            "(call model(*example_inputs) once to see the error in full)",
+        ) from err

@@ -1,0 +1,86 @@
+"""Rendering: plans and reports as text tables with human units. No analysis happens here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from autockpt.units import format_bytes, format_flops
+
+if TYPE_CHECKING:
+    from autockpt.planner import Plan, Segment
+
+__all__ = ["format_plan", "format_table"]
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool] = ()
+                 ) -> str:
+    """A plain-text table: columns padded to their widest cell, numbers right-aligned."""
+    widths = [len(h) for h in header]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
+    align = list(right) + [False] * (len(header) - len(right))
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, align)]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def _span(seg: Segment) -> str:
+    first = seg.first_module or "(forward)"
+    last = seg.last_module or "(forward)"
+    return first if first == last else f"{first} .. {last}"
+
+
+def format_plan(plan: Plan) -> str:
+    """Render a plan: a summary header, then one row per stretch of the graph in order.
+
+    Example:
+        >>> import torch, autockpt
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> print(format_plan(autockpt.plan(net, (torch.randn(8, 64),))))  # doctest: +SKIP
+    """
+    budget = "none (least memory reachable)" if plan.budget_bytes is None else format_bytes(
+        plan.budget_bytes
+    )
+    ratio = f"{100 * plan.recompute_ratio:.1f}% of forward FLOPs"
+    header = [
+        f"autockpt plan for {plan.model or 'model'}({plan.input_signature})",
+        f"  mode {plan.mode}, strategy {plan.strategy}, {plan.node_count} graph nodes",
+        f"  baseline peak   {format_bytes(plan.baseline_peak_bytes)} (no checkpointing)",
+        f"  estimated peak  {format_bytes(plan.estimated_peak_bytes)}"
+        f" (least reachable {format_bytes(plan.min_peak_bytes)})",
+        f"  budget          {budget}",
+        f"  recompute       {format_flops(plan.recompute_flops)} ({ratio})",
+        f"  segments        {len(plan.segments)} checkpointed, {len(plan.skipped)} left alone",
+    ]
+    header += [f"  note: {note}" for note in plan.notes]
+    stretches = sorted([*plan.segments, *plan.skipped], key=lambda s: s.start)
+    rows = []
+    number = 0
+    for seg in stretches:
+        if seg.checkpointed:
+            number += 1
+            notes = []
+            if seg.preserve_rng:
+                notes.append("rng replayed")
+            if seg.buffers:
+                notes.append(f"{len(seg.buffers)} buffers restored")
+            rows.append([
+                str(number), _span(seg), str(seg.node_count),
+                format_bytes(seg.boundary_bytes), format_bytes(seg.freed_bytes),
+                format_flops(seg.recompute_flops), "yes" if seg.dummy_arg else "no",
+                ", ".join(notes),
+            ])
+        else:
+            rows.append(["-", _span(seg), str(seg.node_count), "", "", "", "",
+                         f"not checkpointed: {seg.reason}"])
+    table = format_table(
+        ["#", "modules", "nodes", "kept", "freed", "recompute", "dummy", "note"],
+        rows,
+        right=[True, False, True, True, True, True, False, False],
+    )
+    return "\n".join(header) + "\n\n" + table

@@ -1,0 +1,344 @@
+"""What a transformed module runs: its class, its per-instance state and the checkpoint call.
+
+``autockpt.apply`` returns an object of a subclass of the user's own class, made once per class
+by :func:`checkpointed_class`, whose ``__dict__`` is a shallow copy of the original's. So the
+result *is a* ``MyNet``, holds the very same submodules and Parameter objects, and has the same
+``state_dict()`` keys; its methods other than ``forward`` are the user's.
+
+# NOTE [ Recompute must not update buffers twice ]
+Checkpoint recomputes a segment's forward in backward. A BatchNorm in train mode would update
+its running statistics (and ``num_batches_tracked``) a second time (pytorch/pytorch#96136, both
+modes). The segment function counts its calls per checkpoint invocation: the first is the real
+forward; on any later call (the recompute) it snapshots the buffers the profiler saw being
+updated in that segment and copies them back afterwards, also when a non-reentrant recompute
+stops early by raising.
+
+# NOTE [ RNG only where needed ]
+``preserve_rng_state=True`` stashes and restores the CPU and CUDA RNG states around every
+recompute. It is needed for dropout to drop the same elements twice, and costs time, so it is
+only asked for in segments where the profiler saw an op that consumes the RNG.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from autockpt.errors import AutockptError
+from autockpt.planner import Plan, make_plan
+from autockpt.profile import profile
+from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
+from autockpt.trace import TracedModel, base_class, bind_inputs, trace
+
+__all__ = [
+    "ApplyConfig",
+    "RuntimeState",
+    "checkpointed_class",
+    "make_checkpointed",
+    "is_checkpointed",
+    "run_segment",
+]
+
+MAX_VARIANTS = 8
+"""How many input signatures a module keeps plans for before forgetting the oldest."""
+
+
+@dataclass(frozen=True)
+class ApplyConfig:
+    """What ``apply`` was asked for; the same for every input size."""
+
+    budget_bytes: int | None
+    """Peak activation bytes allowed; ``None`` for the least reachable."""
+    mode: str
+    """``"non_reentrant"`` or ``"reentrant"``."""
+    strategy: str
+    """Name of the planning strategy."""
+    fixed_plan: Plan | None = None
+    """A plan given by the user: applied as it is to every input size."""
+
+
+@dataclass
+class _Variant:
+    key: tuple[Any, ...]
+    plan: Plan
+    program: Program | None
+    param_names: tuple[str, ...]
+
+
+class RuntimeState:
+    """Per-module state: the config, and one plan and program per input signature."""
+
+    def __init__(self, config: ApplyConfig) -> None:
+        self.config = config
+        self.variants: OrderedDict[tuple[Any, ...], _Variant] = OrderedDict()
+        self.by_id: dict[int, _Variant] = {}
+        self.last_plan: Plan | None = None
+        self._next_id = 0
+        self._lock = threading.RLock()
+
+    # Compiled code is not pickled; it is rebuilt from the stored plans at the next forward.
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "plans": [(v.key, v.plan) for v in self.variants.values()],
+            "last_plan": self.last_plan,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])  # type: ignore[misc]
+        self.last_plan = state["last_plan"]
+        for key, plan in state["plans"]:
+            self.variants[key] = _Variant(key=key, plan=plan, program=None, param_names=())
+
+    def variant_for(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> tuple[_Variant, dict[str, Any]]:
+        arguments = bind_inputs(module, args, kwargs)
+        key = signature_key(arguments)
+        variant = self.variants.get(key)
+        if variant is not None and variant.program is not None:
+            self.variants.move_to_end(key)
+            self.last_plan = variant.plan
+            return variant, arguments
+        with self._lock:
+            variant = self.variants.get(key)
+            if variant is None or variant.program is None:
+                known = variant.plan if variant is not None else None
+                variant = self._build(module, args, kwargs, arguments, key, known)
+            self.last_plan = variant.plan
+            return variant, arguments
+
+    def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+        """Plan and compile for these inputs now (``apply`` with example inputs)."""
+        variant, _ = self.variant_for(module, args, kwargs)
+        return variant.plan
+
+    def _build(
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        arguments: dict[str, Any],
+        key: tuple[Any, ...],
+        known: Plan | None,
+    ) -> _Variant:
+        traced = trace(module, args, kwargs)
+        fingerprint = graph_fingerprint(traced.graph)
+        plan = known if known is not None else self.config.fixed_plan
+        if plan is not None:
+            check_plan_fits(plan, traced, fingerprint)
+        else:
+            stats = profile(traced, arguments)
+            plan = make_plan(
+                stats,
+                self.config.budget_bytes,
+                strategy=self.config.strategy,
+                mode=self.config.mode,
+                model=base_class(module).__name__,
+            )
+            plan = replace(plan, graph_fingerprint=fingerprint)
+        variant_id = self._next_id
+        self._next_id += 1
+        program = compile_plan(module, traced, plan, variant_id)
+        variant = _Variant(key=key, plan=plan, program=program,
+                           param_names=traced.spec.param_names)
+        self.variants[key] = variant
+        self.by_id[variant_id] = variant
+        while len(self.variants) > MAX_VARIANTS:
+            _, old = self.variants.popitem(last=False)
+            self.by_id = {i: v for i, v in self.by_id.items() if v is not old}
+        return variant
+
+
+def check_plan_fits(plan: Plan, traced: TracedModel, fingerprint: str) -> None:
+    """Raise if ``plan`` was made for a different graph than ``traced``."""
+    count = len(traced.graph.nodes)
+    if plan.node_count != count or (plan.graph_fingerprint and plan.graph_fingerprint != fingerprint):
+        raise AutockptError(
+            f"the plan was made for a different graph ({plan.model}, {plan.node_count} nodes, "
+            f"fingerprint {plan.graph_fingerprint or '?'}) than this model traces to "
+            f"({count} nodes, fingerprint {fingerprint})",
+            fix="make the plan with autockpt.plan() on this model, with inputs that take the "
+            "same branches (None arguments and flags must match)",
+        )
+
+
+def compile_plan(module: nn.Module, traced: TracedModel, plan: Plan, variant_id: int) -> Program:
+    """Compile ``plan`` for ``traced`` and attach the tracer's tensor constants to ``module``."""
+    constant_names = {}
+    for i, (name, value) in enumerate(sorted(traced.constants.items())):
+        new_name = f"_autockpt_const_{variant_id}_{i}"
+        constant_names[name] = new_name
+        module.__dict__[new_name] = value
+    trainable = []
+    for node in traced.graph.nodes:
+        stat = node.meta.get("autockpt")
+        if stat is not None:
+            trainable.append(stat.trainable)
+        elif node.op == "call_module":
+            sub = traced.graph_module.get_submodule(str(node.target))
+            trainable.append(any(p.requires_grad for p in sub.parameters()))
+        else:
+            trainable.append(
+                any(
+                    a.op == "get_attr" and getattr(_fetch(traced, a.target), "requires_grad", False)
+                    for a in node.all_input_nodes
+                )
+            )
+    return rewrite(traced.graph, plan, variant_id, trainable=trainable,
+                   constant_names=constant_names)
+
+
+def _fetch(traced: TracedModel, target: Any) -> Any:
+    obj: Any = traced.graph_module
+    for atom in str(target).split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two calls need different plans: tensor shapes, dtypes, devices and
+    ``requires_grad``, and the values of Python constants (they are baked into the graph)."""
+    key: list[Any] = []
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor):
+            key.append((name, tuple(value.shape), value.dtype, value.device.type,
+                        value.requires_grad))
+        elif isinstance(value, (type(None), bool, int, float, str)):
+            key.append((name, type(value).__name__, value))
+        else:
+            key.append((name, type(value).__name__))
+    return tuple(key)
+
+
+# --------------------------------------------------------------------------- running a segment
+
+
+def _guarded(module: nn.Module, program: SegmentProgram) -> Callable[..., Any]:
+    """The segment's function for one checkpoint call; see NOTE [ Recompute must not update
+    buffers twice ]."""
+    buffers = program.segment.buffers
+    calls = 0
+
+    def run(*inputs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1 or not buffers:
+            return program.fn(module, *inputs)
+        live = [module.get_buffer(name) for name in buffers]
+        saved = [b.clone() for b in live]
+        try:
+            return program.fn(module, *inputs)
+        finally:
+            with torch.no_grad():
+                for buf, value in zip(live, saved):
+                    buf.copy_(value)
+
+    return run
+
+
+def _drop_first(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(_dummy: torch.Tensor, *inputs: Any) -> Any:
+        return fn(*inputs)
+
+    return run
+
+
+def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: tuple[Any, ...]
+                ) -> Any:
+    """Run one segment under ``torch.utils.checkpoint.checkpoint``."""
+    if not torch.is_grad_enabled():
+        return program.fn(module, *inputs)
+    fn = _guarded(module, program)
+    preserve = program.segment.preserve_rng
+    if mode == "reentrant":
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        if program.trainable and not any(t.requires_grad for t in tensors):
+            # Reentrant checkpoint only gives gradients when an input requires grad: without
+            # this dummy the segment's parameters would silently get none.
+            device = tensors[0].device if tensors else torch.device("cpu")
+            dummy = torch.empty((), device=device, requires_grad=True)
+            return checkpoint(_drop_first(fn), dummy, *inputs, use_reentrant=True,
+                              preserve_rng_state=preserve)
+        return checkpoint(fn, *inputs, use_reentrant=True, preserve_rng_state=preserve)
+    return checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=preserve)
+
+
+# --------------------------------------------------------------------------- the class
+
+
+class _CheckpointedMixin:
+    """Methods added to the user's class. Only ``forward`` changes behaviour."""
+
+    _autockpt_base: type[nn.Module]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state: RuntimeState | None = self.__dict__.get("_autockpt")
+        module: nn.Module = self  # type: ignore[assignment]
+        # Eval and no_grad need no checkpoint: run the user's own forward, untouched.
+        if state is None or not module.training or not torch.is_grad_enabled():
+            return self._autockpt_base.forward(module, *args, **kwargs)
+        variant, arguments = state.variant_for(module, args, kwargs)
+        assert variant.program is not None
+        return variant.program.forward(module, *(arguments[n] for n in variant.param_names))
+
+    def _autockpt_run(self, variant_id: int, index: int, *inputs: Any) -> Any:
+        state: RuntimeState = self.__dict__["_autockpt"]
+        program = state.by_id[variant_id].program
+        assert program is not None
+        return run_segment(self, program.segments[index], state.config.mode, inputs)  # type: ignore[arg-type]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The generated class cannot be pickled by name: rebuild it from the user's class.
+        return (_rebuild, (self._autockpt_base,), self.__dict__.copy())
+
+
+_CLASSES: dict[type, type] = {}
+_CLASSES_LOCK = threading.Lock()
+
+
+def checkpointed_class(base: type[nn.Module]) -> type[nn.Module]:
+    """The subclass of ``base`` that transformed modules have (made once per class)."""
+    with _CLASSES_LOCK:
+        cls = _CLASSES.get(base)
+        if cls is None:
+            cls = type(
+                base.__name__,
+                (_CheckpointedMixin, base),
+                {
+                    "_autockpt_base": base,
+                    "__module__": base.__module__,
+                    "__qualname__": base.__qualname__,
+                    "__doc__": base.__doc__,
+                },
+            )
+            _CLASSES[base] = cls
+        return cls
+
+
+def _rebuild(base: type[nn.Module]) -> nn.Module:
+    cls = checkpointed_class(base)
+    return cls.__new__(cls)
+
+
+def make_checkpointed(module: nn.Module, config: ApplyConfig) -> nn.Module:
+    """A transformed twin of ``module`` sharing its submodules, parameters and buffers."""
+    from autockpt.trace import shallow_view
+
+    twin = shallow_view(module, checkpointed_class(base_class(module)))
+    for name in [k for k in twin.__dict__ if k.startswith("_autockpt_const_")]:
+        del twin.__dict__[name]
+    twin.__dict__["_autockpt"] = RuntimeState(config)
+    return twin
+
+
+def is_checkpointed(module: Any) -> bool:
+    """Whether ``module`` was returned by ``autockpt.apply``."""
+    return isinstance(module, nn.Module) and isinstance(module.__dict__.get("_autockpt"),
+                                                        RuntimeState)

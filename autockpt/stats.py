@@ -1,0 +1,85 @@
+"""Plain numbers about a traced model: what the profiler measures and the planner reads.
+
+Nothing here knows about torch.fx: positions are indices into the graph's node list, sizes are
+bytes as ints. This is what lets the planner be tested on hand-written tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["NodeStat", "StorageStat", "Profile"]
+
+
+@dataclass(frozen=True)
+class NodeStat:
+    """One node of the traced graph, at position ``index`` in graph order."""
+
+    index: int
+    """Position of the node in graph order."""
+    name: str
+    """The fx node's name (unique in the graph)."""
+    op: str
+    """The fx opcode: ``placeholder``, ``get_attr``, ``call_module``, ``call_function``,
+    ``call_method`` or ``output``."""
+    target: str
+    """What the node calls: a module path, a function or method name."""
+    module_path: str
+    """Qualified name of the innermost user module this node belongs to (``""`` for the root)."""
+    inputs: tuple[int, ...]
+    """Positions of the nodes whose values this node reads."""
+    users: tuple[int, ...]
+    """Positions of the nodes that read this node's value."""
+    output_kind: str
+    """``"tensor"``, ``"constant"`` (a value holding no tensor), ``"container"`` (tensors inside
+    a tuple, list or dict) or ``"parameter"`` (a parameter or buffer fetched by ``get_attr``)."""
+    requires_grad: bool
+    """Whether any tensor in the node's output carries gradient."""
+    flops: int
+    """Forward floating-point operations, as counted by ``torch.utils.flop_counter``."""
+    output_bytes: int
+    """Bytes of the new storages the node's output occupies (0 for a view of an older one)."""
+    random: bool
+    """Whether the node runs a random op (dropout, ``rand``...): recompute must replay the RNG."""
+    trainable: bool
+    """Whether the node uses a parameter that requires grad."""
+    mutated_inputs: tuple[int, ...]
+    """Positions of the producers of values this node modifies in place."""
+    mutated_buffers: tuple[str, ...]
+    """Qualified names of buffers this node updates in forward (BatchNorm running statistics):
+    a recompute would update them a second time."""
+
+
+@dataclass(frozen=True)
+class StorageStat:
+    """One activation storage (a block of memory, shared by a tensor and its views)."""
+
+    size_bytes: int
+    """Size of the storage in bytes."""
+    producer: int
+    """Position of the node that allocates it."""
+    users: tuple[int, ...]
+    """Positions of nodes that read a value backed by this storage, ascending."""
+    saved_by: tuple[int, ...]
+    """Positions of nodes that save it for backward, ascending; empty if nothing does."""
+    requires_grad: bool
+    """Whether the tensor carries gradient."""
+    is_output: bool
+    """Whether it is part of the model's output (the caller holds it through backward)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the planner needs to know about one model at one input size."""
+
+    nodes: tuple[NodeStat, ...]
+    """Every node of the graph, in graph order."""
+    storages: tuple[StorageStat, ...]
+    """Every activation storage, ordered by producer position."""
+    input_signature: str
+    """Human-readable shapes and dtypes of the inputs the profile was taken at."""
+
+    @property
+    def forward_flops(self) -> int:
+        """FLOPs of one forward pass."""
+        return sum(node.flops for node in self.nodes)

@@ -1,0 +1,211 @@
+"""Stage 1: trace a model into an fx graph whose names are the model's own.
+
+The graph is traced from a *view* of the user's module: a new object of the same class whose
+attribute dictionary is a shallow copy of the original's. The view shares every submodule,
+Parameter and buffer with the original, so the graph's ``call_module`` and ``get_attr`` targets
+are the original's qualified names, yet nothing the tracer stores on its root (tensor constants)
+lands on the user's module.
+
+# NOTE [ Trace in train mode ]
+fx bakes Python-level ``if self.training:`` branches into the graph. A graph traced in eval
+mode would drop dropout or DropPath and train wrongly, so tracing always runs in train mode and
+the flags are restored afterwards. The checkpointed forward only runs in train mode; eval mode
+runs the model's own forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autockpt.errors import InvalidArgumentError, TraceError
+
+__all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "base_class", "shallow_view"]
+
+#: Python values that are baked into the graph (a new value means a new plan).
+_CONSTANT_TYPES = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """How the model's forward was called when it was traced."""
+
+    param_names: tuple[str, ...]
+    """Names of the forward's parameters (without ``self``), in order."""
+    constants: tuple[tuple[str, Any], ...]
+    """Parameters whose value was a Python constant (``None``, a flag, a number) and so is baked
+    into the graph, as ``(name, value)`` pairs in parameter order."""
+
+
+@dataclass
+class TracedModel:
+    """The result of :func:`trace`: a graph plus what is needed to run it on the user's module."""
+
+    graph_module: fx.GraphModule
+    """The traced graph in a GraphModule whose submodules are the user's own objects."""
+    spec: TraceSpec
+    """Which forward parameters were constants when traced."""
+    constants: dict[str, torch.Tensor]
+    """Tensor constants the tracer created (``_tensor_constant0``...), by attribute name: they
+    are not part of the user's module and must travel with the rewritten forward."""
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+
+def base_class(module: nn.Module) -> type[nn.Module]:
+    """The user's class of ``module``, looking through autockpt's generated subclass."""
+    cls = type(module)
+    return getattr(cls, "_autockpt_base", cls)
+
+
+def shallow_view(module: nn.Module, cls: type[nn.Module] | None = None) -> nn.Module:
+    """A new module object of class ``cls`` sharing ``module``'s submodules, Parameters and
+    buffers, with its own copies of every container in its ``__dict__``.
+
+    Registering or replacing attributes on the view never touches the original, while the
+    tensors and submodules are the very same objects.
+    """
+    cls = base_class(module) if cls is None else cls
+    view = cls.__new__(cls)
+    state = {}
+    for key, value in module.__dict__.items():
+        if isinstance(value, (dict, set, list)) and not key.startswith("_autockpt"):
+            value = type(value)(value) if not isinstance(value, list) else list(value)
+        state[key] = value
+    state.pop("_autockpt", None)
+    view.__dict__.update(state)
+    return view
+
+
+def _forward_parameters(cls: type[nn.Module]) -> list[inspect.Parameter]:
+    params = list(inspect.signature(cls.forward).parameters.values())
+    return params[1:]  # drop self
+
+
+def bind_inputs(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """Bind a call's arguments to the forward's parameter names, defaults applied.
+
+    Raises:
+        InvalidArgumentError: the forward does not accept these arguments.
+    """
+    cls = base_class(module)
+    signature = inspect.signature(cls.forward)
+    try:
+        bound = signature.bind(module, *args, **kwargs)
+    except TypeError as err:
+        raise InvalidArgumentError(
+            f"{cls.__name__}.forward{signature} does not accept the example inputs "
+            f"({_describe_call(args, kwargs)}): {err}",
+            fix="pass example_inputs as a tuple of the positional arguments and the keyword "
+            "arguments as example_kwargs, exactly as you call the model",
+        ) from err
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(signature.parameters)))  # self
+    for param in _forward_parameters(cls):
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            if arguments.get(param.name):
+                raise TraceError(
+                    f"{cls.__name__}.forward takes *{param.name}, which torch.fx cannot trace",
+                    fix="give the forward named parameters, or wrap the model in a module whose "
+                    "forward has them",
+                    model_name=cls.__name__,
+                )
+            arguments.pop(param.name, None)
+    return arguments
+
+
+def _describe_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"Tensor{tuple(value.shape)}"
+        return type(value).__name__
+
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts) or "no arguments"
+
+
+def _user_frame(err: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of the traceback that is not inside torch."""
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    location = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        if not frame.filename.startswith(torch_dir) and "/autockpt/" not in frame.filename:
+            location = f"{frame.filename}:{frame.lineno}"
+    return location
+
+
+def trace(
+    module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+) -> TracedModel:
+    """Trace ``module`` in train mode with torch.fx.
+
+    Arguments that are Python constants in this call (``None``, flags, numbers) are baked into
+    the graph, so that ``if mask is not None:`` takes the branch this call takes.
+
+    Example:
+        >>> import torch
+        >>> traced = trace(torch.nn.Sequential(torch.nn.Linear(2, 2)), (torch.randn(1, 2),))
+        >>> [n.op for n in traced.graph.nodes]
+        ['placeholder', 'call_module', 'output']
+
+    Raises:
+        TraceError: the model's forward cannot be traced by torch.fx; the message names the
+            line of the user's code where tracing failed.
+    """
+    kwargs = {} if kwargs is None else kwargs
+    cls = base_class(module)
+    arguments = bind_inputs(module, args, kwargs)
+    names = tuple(p.name for p in _forward_parameters(cls) if p.name in arguments)
+    constants = tuple(
+        (name, arguments[name])
+        for name in names
+        if isinstance(arguments[name], _CONSTANT_TYPES)
+    )
+    view = shallow_view(module, cls)
+    flags = [(m, m.training) for m in view.modules()]
+    try:
+        view.train()
+        graph = fx.Tracer().trace(view, concrete_args=dict(constants) or None)
+        graph_module = fx.GraphModule(view, graph, class_name=cls.__name__)
+    except Exception as err:  # fx raises many kinds; all mean "not traceable"
+        location = _user_frame(err)
+        where = f" at {location}" if location else ""
+        raise TraceError(
+            f"torch.fx could not trace {cls.__name__}{where}: {type(err).__name__}: {err}",
+            fix="avoid Python control flow on tensor values in forward (use torch.where), or "
+            "mark the submodule that fails as a leaf; see docs/how-it-works.md",
+            model_name=cls.__name__,
+            location=location,
+        ) from err
+    finally:
+        for mod, was_training in flags:
+            mod.training = was_training
+    tensor_constants = {}
+    for node in graph.nodes:
+        if node.op == "get_attr" and not _has_attr_path(module, node.target):
+            tensor_constants[node.target] = getattr(view, node.target)
+    return TracedModel(
+        graph_module=graph_module,
+        spec=TraceSpec(param_names=names, constants=constants),
+        constants=tensor_constants,
+    )
+
+
+def _has_attr_path(module: nn.Module, target: str) -> bool:
+    obj: Any = module
+    for atom in target.split("."):
+        if not hasattr(obj, atom):
+            return False
+        obj = getattr(obj, atom)
+    return True
