@@ -9,9 +9,9 @@ result *is a* ``MyNet``, holds the very same submodules and Parameter objects, a
 Checkpoint recomputes a segment's forward in backward. A BatchNorm in train mode would update
 its running statistics (and ``num_batches_tracked``) a second time (pytorch/pytorch#96136, both
 modes). The segment function counts its calls per checkpoint invocation: the first is the real
-forward; on any later call (the recompute) it snapshots the buffers the profiler saw being
-updated in that segment and copies them back afterwards, also when a non-reentrant recompute
-stops early by raising.
+forward; on any later call (the recompute) it swaps in clones of the buffers the profiler saw
+being updated in that segment, so that the recompute updates the clones, and puts the
+originals back afterwards, also when a non-reentrant recompute stops early by raising.
 
 # NOTE [ RNG only where needed ]
 ``preserve_rng_state=True`` stashes and restores the CPU and CUDA RNG states around every
@@ -231,14 +231,22 @@ def _guarded(module: nn.Module, program: SegmentProgram) -> Callable[..., Any]:
         calls += 1
         if calls == 1 or not buffers:
             return program.fn(module, *inputs)
-        live = [module.get_buffer(name) for name in buffers]
-        saved = [b.clone() for b in live]
+        # The recompute updates clones; the real buffers keep the values (and the version
+        # counters) the forward left. Copying values back instead would bump the version of a
+        # buffer the recomputed graph saved, and backward would refuse to run.
+        slots = []
+        for qualname in buffers:
+            owner_path, _, name = qualname.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            original = owner._buffers[name]
+            slots.append((owner, name, original))
+            if original is not None:
+                owner._buffers[name] = original.clone()
         try:
             return program.fn(module, *inputs)
         finally:
-            with torch.no_grad():
-                for buf, value in zip(live, saved):
-                    buf.copy_(value)
+            for owner, name, original in slots:
+                owner._buffers[name] = original
 
     return run
 

@@ -1,0 +1,107 @@
+"""Every zoo model, trained one step with and without autockpt, compared tensor by tensor.
+
+For budgets from "no checkpointing needed" down to the least reachable, in both checkpoint
+modes: the loss, every parameter's gradient and every buffer (BatchNorm running statistics
+included) must match an identically seeded twin that runs without autockpt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autockpt
+from tests.zoo import CASES, ZooCase, clone_case, train_step
+
+MODES = ("non_reentrant", "reentrant")
+# Fractions of the estimated no-checkpoint peak; None asks for the least memory reachable and
+# "min" for exactly the least reachable, as a number.
+BUDGETS = (1.0, 0.75, 0.5, 0.25, "min", None)
+
+
+def _budget_mb(model: torch.nn.Module, case: ZooCase, budget: object, mode: str
+               ) -> tuple[float | None, int]:
+    """The budget in MiB, and the least peak the planner can reach."""
+    args, kwargs = case.inputs()
+    probe = autockpt.plan(model, args, example_kwargs=kwargs, mode=mode)
+    if budget is None:
+        return None, probe.min_peak_bytes
+    if budget == "min":
+        return probe.min_peak_bytes / 2**20, probe.min_peak_bytes
+    return probe.baseline_peak_bytes * float(budget) / 2**20, probe.min_peak_bytes  # type: ignore[arg-type]
+
+
+def _assert_same_step(case: ZooCase, reference: torch.nn.Module, transformed: torch.nn.Module
+                      ) -> None:
+    args, kwargs = case.inputs()
+    loss_a, grads_a, buffers_a = train_step(reference, case, args, kwargs, seed=1234)
+    loss_b, grads_b, buffers_b = train_step(transformed, case, args, kwargs, seed=1234)
+    torch.testing.assert_close(loss_b, loss_a)
+    assert list(grads_b) == list(grads_a)
+    for name, grad in grads_a.items():
+        if grad is None:
+            assert grads_b[name] is None, f"{name}: frozen parameter got a gradient"
+        else:
+            assert grads_b[name] is not None, f"{name}: no gradient with autockpt"
+            torch.testing.assert_close(grads_b[name], grad, msg=lambda m: f"{name}: {m}")
+    assert list(buffers_b) == list(buffers_a)
+    for name, buf in buffers_a.items():
+        torch.testing.assert_close(buffers_b[name], buf, msg=lambda m: f"buffer {name}: {m}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_same_training_step(case: ZooCase, budget: object, mode: str) -> None:
+    reference, twin = clone_case(case)
+    budget_mb, least = _budget_mb(twin, case, budget, mode)
+    args, kwargs = case.inputs()
+    if budget_mb is not None and int(budget_mb * 2**20) < least:
+        with pytest.raises(autockpt.InfeasibleBudgetError) as info:
+            autockpt.apply(twin, budget_mb, example_inputs=args, example_kwargs=kwargs, mode=mode)
+        assert info.value.min_feasible_bytes == least
+        _assert_same_step(case, reference, twin)  # left untouched
+        return
+    transformed = autockpt.apply(twin, budget_mb, example_inputs=args, example_kwargs=kwargs,
+                                 mode=mode)
+    plan = autockpt.plan_of(transformed)
+    if budget_mb is not None:
+        assert plan.estimated_peak_bytes <= plan.budget_bytes
+    if budget is None or budget == "min":
+        assert plan.estimated_peak_bytes == plan.min_peak_bytes
+    # The very same Parameter objects and names, so optimizers and state_dicts keep working.
+    assert list(transformed.state_dict()) == list(twin.state_dict())
+    assert [n for n, _ in transformed.named_buffers()] == [n for n, _ in twin.named_buffers()]
+    for (name_a, p_a), (name_b, p_b) in zip(twin.named_parameters(),
+                                            transformed.named_parameters()):
+        assert name_a == name_b and p_a is p_b
+    _assert_same_step(case, reference, transformed)
+    # The user's module still works on its own, unchanged.
+    _assert_same_step(case, reference, twin)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_plans_checkpoint_something_at_least_memory(case: ZooCase) -> None:
+    model = case.build()
+    args, kwargs = case.inputs()
+    plan = autockpt.plan(model, args, example_kwargs=kwargs)
+    if case.name == "frozen_backbone":
+        # Only the head carries gradient; checkpointing can still save its activations.
+        assert plan.min_peak_bytes <= plan.baseline_peak_bytes
+    else:
+        assert plan.segments, f"{case.name}: nothing checkpointed at the least-memory budget"
+        assert plan.min_peak_bytes < plan.baseline_peak_bytes
+
+
+def test_infeasible_budget_names_the_least_reachable() -> None:
+    case = next(c for c in CASES if c.name == "resnet")
+    model = case.build()
+    args, kwargs = case.inputs()
+    least = autockpt.plan(model, args).min_peak_bytes
+    with pytest.raises(autockpt.InfeasibleBudgetError) as info:
+        autockpt.apply(model, least / 2 / 2**20, example_inputs=args)
+    assert info.value.min_feasible_bytes == least
+    assert "budget_mb=" in str(info.value)
+    # ... and the suggested budget is accepted.
+    suggested = info.value.min_feasible_bytes / 2**20
+    autockpt.apply(model, suggested, example_inputs=args)
