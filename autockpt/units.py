@@ -1,27 +1,73 @@
-"""Human units for bytes and FLOPs (binary units for bytes, two decimals)."""
+"""Human-readable units shared by every formatter in autockpt.
+
+Example:
+    >>> from autockpt.units import format_bytes
+    >>> format_bytes(3 * 2**20 // 2)
+    '1.50 MiB'
+"""
 
 from __future__ import annotations
 
+import operator
+
+from autockpt.errors import InvalidArgumentError
+
 __all__ = ["format_bytes", "format_flops"]
 
-_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+_BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
-def format_bytes(num_bytes: int) -> str:
-    """``512 -> "512 B"``, ``1536 -> "1.50 KiB"``, ``3 * 2**20 -> "3.00 MiB"``.
+def format_bytes(n: int) -> str:
+    """Format a byte count with binary units (1 KiB = 1024 B) and two decimals.
+
+    Counts below 1 KiB are printed exactly, without decimals. Negative counts (differences
+    between two measurements) keep their sign.
+
+    Args:
+        n: a number of bytes; any integer, including numpy integers.
+
+    Returns:
+        A short string such as ``"512 B"``, ``"3.00 KiB"`` or ``"1.50 MiB"``.
+
+    Raises:
+        InvalidArgumentError: ``n`` is not an integer (a float or a bool).
 
     Example:
-        >>> format_bytes(1536)
-        '1.50 KiB'
+        >>> format_bytes(512)
+        '512 B'
+        >>> format_bytes(3072)
+        '3.00 KiB'
+        >>> format_bytes(2 * 2**30)
+        '2.00 GiB'
+        >>> format_bytes(-1536)
+        '-1.50 KiB'
     """
-    value = float(num_bytes)
-    if abs(value) < 1024:
-        return f"{int(num_bytes)} B"
-    for unit in _BYTE_UNITS[1:]:
+    if isinstance(n, bool):
+        raise InvalidArgumentError(
+            f"format_bytes expects an integer number of bytes, got the bool {n!r}",
+            fix="pass an int",
+        )
+    try:
+        count = operator.index(n)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"format_bytes expects an integer number of bytes, got {type(n).__name__} {n!r}",
+            fix="round the value to an int first, e.g. format_bytes(int(x))",
+        ) from None
+
+    sign = "-" if count < 0 else ""
+    magnitude = abs(count)
+    if magnitude < 1024:
+        return f"{sign}{magnitude} B"
+
+    # Pick the unit from the rounded value, not the raw one: 1 MiB - 1 B would otherwise
+    # print as "1024.00 KiB", which reads like a formatting bug.
+    value = magnitude / 1024
+    unit_index = 0
+    while unit_index + 1 < len(_BINARY_UNITS) and round(value, 2) >= 1024:
         value /= 1024
-        if abs(value) < 1024 or unit == _BYTE_UNITS[-1]:
-            return f"{value:.2f} {unit}"
-    raise AssertionError("unreachable")
+        unit_index += 1
+    return f"{sign}{value:.2f} {_BINARY_UNITS[unit_index]}"
 
 
 def format_flops(flops: int) -> str:

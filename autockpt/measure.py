@@ -1,0 +1,959 @@
+"""Measure the activation memory of one real training step.
+
+:func:`measure` runs one forward and backward of a model on example inputs and reports how
+many bytes of activations it held: the peak over the step, what was kept for backward, and
+the peak of each phase. :class:`track_activation_memory` is the lower-level context manager
+it is built on; it also records a timeline of the memory over the ops, to draw the curve.
+
+Example:
+    >>> import torch
+    >>> from autockpt.measure import measure
+    >>> model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.ReLU())
+    >>> report = measure(model, torch.randn(16, 1000))
+    >>> report.saved_bytes  # the ReLU output (16*1000*4 B) and the 4-byte loss
+    64004
+
+NOTE [ How activation memory is measured ]
+    A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every ATen op that runs
+    while it is active, in forward and in backward alike: the autograd engine captures the
+    thread-local dispatch-mode stack with the graph task and reinstalls it on the thread
+    that runs the backward, including the recomputation inside
+    ``torch.utils.checkpoint`` (reentrant or not). For every tensor an op returns we take
+    its ``untyped_storage()``. A storage we have not seen before is a new allocation: its
+    ``nbytes()`` is added to the running total and a weak reference with a callback is
+    registered on it. Storages have PyObject preservation: the Python object stays the same
+    for as long as the C++ storage lives (a view's ``untyped_storage()`` *is* its base's),
+    and is only destroyed together with it, so the callback fires exactly when the memory
+    is released, and subtracts it. The peak is updated on every allocation, which is the
+    only moment the total can grow, so it is exact at the granularity of whole storages.
+
+    Storages that existed before the step are not activations and must not be counted even
+    when an op returns them (``weight.t()`` is a view of a parameter; ``grad += g`` returns
+    the gradient). They are recognised two ways. The caller names them (parameters,
+    buffers, gradients, inputs: their storages' ``data_ptr`` are kept, with a strong
+    reference so that an address cannot be reused while we compare against it). And any
+    storage that shows up as an op *input* without having been an op output first was
+    allocated outside our view (a plain tensor attribute such as a cached rotary table, a
+    global constant): it is remembered, weakly, as foreign, so a later view of it is not
+    mistaken for a fresh allocation.
+
+NOTE [ What the dispatch-mode measure cannot see ]
+    * Scratch memory a kernel allocates and frees inside one op (a convolution's
+      workspace, a reduction's internal copy, cuBLAS workspaces): only op outputs are seen.
+    * Allocator effects: CUDA caching-allocator rounding and fragmentation, CPU allocator
+      arenas. On CUDA, :attr:`MemoryReport.cuda_max_memory_allocated_bytes` shows what the
+      allocator saw, for comparison.
+    * Tensors created outside the dispatcher during the step (``torch.from_numpy`` inside
+      ``forward``, C++ extension functions that bypass the dispatcher, work done on
+      threads the model starts itself, ``torch.compile``'d regions whose generated code
+      allocates directly) are treated as pre-existing and not counted.
+    * The unit is the storage: a small view that keeps a large storage alive is charged the
+      whole storage, which is what the allocator holds.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import functools
+import statistics
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.units import format_bytes
+
+__all__ = [
+    "Mark",
+    "MemoryReport",
+    "TimelinePoint",
+    "measure",
+    "track_activation_memory",
+]
+
+
+# --------------------------------------------------------------------------------------
+# The tracker
+# --------------------------------------------------------------------------------------
+
+
+class Mark(NamedTuple):
+    """A labelled moment in a :class:`track_activation_memory` timeline.
+
+    Its first two fields are ``(label, current_bytes)``; ``op_index`` is the index of the
+    first op that ran after the mark, so ``timeline[mark.op_index:]`` starts at it.
+    """
+
+    label: str
+    """What the caller said happens next, e.g. ``"forward"`` or ``"backward"``."""
+    current_bytes: int
+    """Activation bytes alive when the mark was made."""
+    op_index: int
+    """Number of ops seen before the mark; the index of the first op after it."""
+
+
+class TimelinePoint(NamedTuple):
+    """Activation bytes alive right after one op."""
+
+    op_index: int
+    """Position of the op among all ops seen by the tracker, from 0."""
+    phase: int
+    """Index into :attr:`track_activation_memory.marks` of the last mark before the op, or
+    -1 for ops that ran before the first mark."""
+    current_bytes: int
+    """Activation bytes alive right after the op's outputs were allocated."""
+
+
+_LIFT_FRESH_OPS = frozenset(
+    {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+)
+
+
+def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage behind ``tensor``, or None when it has none we can account for
+    (sparse and other storage-less layouts, wrapper subclasses)."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class _TrackingMode(TorchDispatchMode):
+    """Forwards every op to its tracker after running it."""
+
+    def __init__(self, tracker: track_activation_memory) -> None:
+        super().__init__()
+        self._tracker = tracker
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._tracker._after_op(func, args, kwargs, out)
+        return out
+
+
+class track_activation_memory:  # noqa: N801 - a context manager, named like torch.no_grad
+    """Context manager that counts the bytes of tensor storages allocated by ops while it
+    is active, minus those freed since: the activations and temporaries of the code it
+    wraps. See NOTE [ How activation memory is measured ] in this module.
+
+    Storages of tensors named in ``exclude`` (parameters, buffers, gradients, inputs) are
+    never counted, nor are storages that existed before the context and reach an op as an
+    input. Counting starts at zero.
+
+    After the context exits, the readings are frozen: storages freed later do not change
+    them. A tracker is used once.
+
+    Args:
+        exclude: tensors (or untyped storages) that exist before the tracked code and are
+            not activations. Their storages are kept alive until the context exits, so
+            that their addresses cannot be reused by new allocations.
+        device: count only storages on this device (``"cuda"`` matches every CUDA device,
+            ``"cuda:1"`` only that one). None counts every device except ``meta``.
+
+    Example:
+        >>> import torch
+        >>> weight = torch.randn(100, 100, requires_grad=True)
+        >>> weight.grad = torch.zeros_like(weight)  # so that backward adds into it in place
+        >>> x = torch.randn(8, 100)
+        >>> with track_activation_memory(exclude=[weight, weight.grad, x]) as tracker:
+        ...     _ = tracker.mark("forward")
+        ...     y = (x @ weight).relu()
+        ...     _ = tracker.mark("backward")
+        ...     y.sum().backward()
+        >>> tracker.marks[1].current_bytes  # y, 8*100*4 B, kept for relu's backward
+        3200
+        >>> tracker.peak_bytes  # + the sum, its seed gradient, grad of x @ weight, grad of weight
+        46408
+    """
+
+    def __init__(
+        self,
+        exclude: Iterable[torch.Tensor | torch.UntypedStorage] = (),
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if isinstance(exclude, (torch.Tensor, torch.UntypedStorage)):
+            exclude = (exclude,)
+        try:
+            exclude_list = list(exclude)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"exclude must be an iterable of tensors, got {type(exclude).__name__}",
+                fix="pass a list of tensors, e.g. exclude=list(model.parameters())",
+            ) from None
+        self._device = torch.device(device) if device is not None else None
+
+        self._excluded_storages: list[torch.UntypedStorage] = []
+        self._excluded_ptrs: set[int] = set()
+        for item in exclude_list:
+            if isinstance(item, torch.Tensor):
+                storage = _storage_of(item)
+            elif isinstance(item, torch.UntypedStorage):
+                storage = item
+            else:
+                raise InvalidArgumentError(
+                    f"exclude must hold tensors or untyped storages, got a {type(item).__name__}",
+                    fix="pass only tensors, e.g. exclude=list(model.parameters())",
+                )
+            if storage is None or storage.nbytes() == 0:
+                continue
+            self._excluded_storages.append(storage)
+            self._excluded_ptrs.add(storage.data_ptr())
+
+        # Storages counted and alive: id(storage) -> nbytes. The id is stable and unique
+        # while the storage lives, and its weakref callback removes the entry before the id
+        # can be reused (CPython clears weak references before freeing the object).
+        self._live: dict[int, int] = {}
+        self._live_refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        # Storages that existed before we saw them, held weakly: id(storage) -> weakref.
+        self._foreign: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+        self._current = 0
+        self._peak = 0
+        self._phase_peak = 0
+        self._phase_peaks: list[int] = []
+        self._marks: list[Mark] = []
+        # One int per op; the phase of each op follows from the marks' op indices, so no
+        # per-op object is built while the model runs.
+        self._op_bytes = array.array("q")
+        # Reentrant: a weakref callback can fire on the thread that holds the lock, when
+        # dropping a reference inside _after_op frees a storage. The backward of a CUDA
+        # model runs on the autograd engine's device threads, hence the lock at all.
+        self._lock = threading.RLock()
+        self._mode: _TrackingMode | None = None
+        self._state = "new"
+
+    # -- readings ------------------------------------------------------------------------
+
+    @property
+    def current_bytes(self) -> int:
+        """Bytes of counted storages alive now (or when the context exited)."""
+        return self._current
+
+    @property
+    def peak_bytes(self) -> int:
+        """Largest value :attr:`current_bytes` reached."""
+        return self._peak
+
+    @property
+    def num_ops(self) -> int:
+        """Number of ops seen so far."""
+        return len(self._op_bytes)
+
+    @property
+    def marks(self) -> list[Mark]:
+        """The marks made with :meth:`mark`, in order."""
+        return list(self._marks)
+
+    @property
+    def phase_peaks(self) -> list[int]:
+        """Peak bytes of each phase: entry ``i`` covers the time from ``marks[i]`` to the
+        next mark (or to now / the exit), including the bytes alive when it began."""
+        if not self._marks:
+            return []
+        return [*self._phase_peaks, self._phase_peak]
+
+    @property
+    def timeline(self) -> list[TimelinePoint]:
+        """``(op_index, phase, current_bytes)`` for every op seen, built on demand."""
+        points: list[TimelinePoint] = []
+        boundaries = [m.op_index for m in self._marks] + [len(self._op_bytes)]
+        phase = -1
+        start = 0
+        for next_phase, end in enumerate(boundaries):
+            points.extend(
+                TimelinePoint(i, phase, self._op_bytes[i]) for i in range(start, end)
+            )
+            phase, start = next_phase, max(start, end)
+        return points
+
+    def mark(self, label: str) -> Mark:
+        """Record ``(label, current_bytes)`` and start a new phase of the timeline.
+
+        Example:
+            >>> import torch
+            >>> with track_activation_memory() as tracker:
+            ...     mark = tracker.mark("forward")
+            ...     y = torch.ones(256)
+            >>> mark.label, mark.current_bytes, tracker.current_bytes
+            ('forward', 0, 1024)
+        """
+        with self._lock:
+            if self._marks:
+                self._phase_peaks.append(self._phase_peak)
+            self._phase_peak = self._current
+            new_mark = Mark(str(label), self._current, len(self._op_bytes))
+            self._marks.append(new_mark)
+            return new_mark
+
+    # -- context manager -----------------------------------------------------------------
+
+    def __enter__(self) -> track_activation_memory:
+        if self._state != "new":
+            raise AutockptError(
+                "a track_activation_memory tracker can only be entered once",
+                fix="create a new tracker for each region you measure",
+            )
+        self._state = "active"
+        self._mode = _TrackingMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._mode is not None
+        try:
+            self._mode.__exit__(exc_type, exc, tb)
+        finally:
+            with self._lock:
+                self._state = "done"
+                self._mode = None
+                # Dropping the weak references cancels their callbacks, which freezes the
+                # readings and releases the storages of the excluded tensors.
+                self._live_refs.clear()
+                self._live.clear()
+                self._foreign.clear()
+                self._excluded_storages.clear()
+
+    # -- bookkeeping, called from the dispatch mode and from weakref callbacks -----------
+
+    def _after_op(
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+    ) -> None:
+        with self._lock:
+            if self._state != "active":
+                return
+            # A tensor that lift_fresh receives was just built from Python data by
+            # torch.tensor(); it is new, so do not let it be classified as foreign.
+            if func not in _LIFT_FRESH_OPS:
+                for tensor in _flat_tensors(args):
+                    self._note_input(tensor)
+                if kwargs:
+                    for tensor in _flat_tensors(tuple(kwargs.values())):
+                        self._note_input(tensor)
+            if isinstance(out, torch.Tensor):
+                self._note_output(out)
+            elif isinstance(out, (tuple, list)):
+                for tensor in _flat_tensors(out):
+                    self._note_output(tensor)
+            self._op_bytes.append(self._current)
+
+    def _note_input(self, tensor: torch.Tensor) -> None:
+        storage = _storage_of(tensor)
+        if storage is None:
+            return
+        key = id(storage)
+        if key in self._live or key in self._foreign:
+            return
+        self._foreign[key] = weakref.ref(storage, functools.partial(self._forget_foreign, key))
+
+    def _note_output(self, tensor: torch.Tensor) -> None:
+        storage = _storage_of(tensor)
+        if storage is None:
+            return
+        key = id(storage)
+        known = self._live.get(key)
+        if known is not None:
+            # An op may resize a storage it was handed (out= variants, resize_).
+            nbytes = storage.nbytes()
+            if nbytes != known:
+                self._live[key] = nbytes
+                self._add(nbytes - known)
+            return
+        if key in self._foreign:
+            return
+        device = storage.device
+        if device.type == "meta":
+            return
+        if self._device is not None and (
+            device.type != self._device.type
+            or (self._device.index is not None and device.index != self._device.index)
+        ):
+            return
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        if storage.data_ptr() in self._excluded_ptrs:
+            return
+        self._live[key] = nbytes
+        self._live_refs[key] = weakref.ref(storage, functools.partial(self._release, key))
+        self._add(nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        self._current += nbytes
+        if self._current > self._phase_peak:
+            self._phase_peak = self._current
+            if self._current > self._peak:
+                self._peak = self._current
+
+    def _release(self, key: int, _ref: object) -> None:
+        with self._lock:
+            nbytes = self._live.pop(key, None)
+            self._live_refs.pop(key, None)
+            if nbytes is not None and self._state == "active":
+                self._current -= nbytes
+
+    def _forget_foreign(self, key: int, _ref: object) -> None:
+        with self._lock:
+            self._foreign.pop(key, None)
+
+
+def _flat_tensors(values: tuple[Any, ...] | list[Any]) -> Iterator[torch.Tensor]:
+    """Tensors among op arguments or results: ATen nests at most one level (Tensor[])."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
+# --------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Activation memory and time of one training step, as measured by :func:`measure`.
+
+    All byte counts exclude parameters, parameter gradients, buffers, optimizer state and
+    the inputs: they cover activations saved for backward and the temporaries of forward
+    and backward, counted per tensor storage as ops allocate and free them.
+    """
+
+    peak_activation_bytes: int
+    """Largest number of activation bytes alive at once during forward and backward."""
+    saved_bytes: int
+    """Activation bytes alive at the end of forward (after the loss, just before backward):
+    what autograd keeps for backward, plus the model output and the loss."""
+    forward_peak_bytes: int
+    """Peak within forward, including the loss computation."""
+    backward_peak_bytes: int
+    """Peak within backward, starting from :attr:`saved_bytes`."""
+    step_seconds: float
+    """Median wall time of forward, loss and backward over the timed steps, measured
+    without the tracker (whose per-op Python overhead would distort it)."""
+    cuda_max_memory_allocated_bytes: int | None
+    """On CUDA, the rise of ``torch.cuda.max_memory_allocated`` over one untracked step
+    above what was allocated before it: activations as the caching allocator sees them,
+    including kernel workspaces and rounding. None on other devices."""
+    device: str
+    """Device of the model, e.g. ``"cpu"`` or ``"cuda:0"``."""
+    timeline: tuple[TimelinePoint, ...] = field(default=(), repr=False, compare=False)
+    """Bytes alive after each op of the tracked step; phases index :attr:`marks`."""
+    marks: tuple[Mark, ...] = field(default=(), repr=False, compare=False)
+    """Phase boundaries of :attr:`timeline`: ``forward``, ``loss``, ``backward``, ``end``."""
+
+    def __str__(self) -> str:
+        parts = [
+            f"peak activations {format_bytes(self.peak_activation_bytes)} on {self.device}"
+            f" (forward {format_bytes(self.forward_peak_bytes)},"
+            f" backward {format_bytes(self.backward_peak_bytes)})",
+            f"saved for backward {format_bytes(self.saved_bytes)}",
+            f"step {_format_seconds(self.step_seconds)}",
+        ]
+        if self.cuda_max_memory_allocated_bytes is not None:
+            parts.append(
+                f"CUDA max allocated {format_bytes(self.cuda_max_memory_allocated_bytes)}"
+            )
+        return "; ".join(parts)
+
+
+def _format_seconds(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+# --------------------------------------------------------------------------------------
+# measure()
+# --------------------------------------------------------------------------------------
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def measure(
+    model: torch.nn.Module,
+    example_inputs: torch.Tensor | tuple[Any, ...],
+    *,
+    loss_fn: LossFn | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    warmup: int = 0,
+    repeat: int = 1,
+) -> MemoryReport:
+    """Run real training steps of ``model`` and report its activation memory and step time.
+
+    One step is tracked for memory (see :class:`track_activation_memory`); then ``repeat``
+    steps are timed without the tracker, after ``warmup`` untimed ones, so ``warmup + 1 +
+    repeat`` steps run in all. The model stays in the mode it is in (``train()`` or
+    ``eval()``), and is left as it was: parameter gradients (None stays None), buffers
+    (BatchNorm running statistics, ``num_batches_tracked``) and the CPU and CUDA random
+    number generators are restored, so measuring does not shift the dropout stream.
+
+    The default loss is the sum of every floating-point tensor in the output that requires
+    grad (walking tuples, lists, mappings such as ``ModelOutput`` and dataclasses), reduced
+    in at least float32 without materialising a converted copy. Its backward is cheap: the
+    gradient that reaches the output is a broadcast scalar, so the peak excludes the one
+    output-sized gradient a real loss such as cross-entropy would create. Pass ``loss_fn``
+    to measure with your loss.
+
+    Inputs that require grad get gradients during the step; leaf inputs have their
+    ``.grad`` restored afterwards, and non-leaf inputs are detached first so that backward
+    stays inside the model.
+
+    Args:
+        model: the module to measure, on the device to measure on.
+        example_inputs: one tensor, or a tuple of the positional arguments of ``forward``.
+        loss_fn: ``loss_fn(output) -> scalar tensor``; defaults to the sum described above.
+        example_kwargs: keyword arguments of ``forward``.
+        warmup: untimed steps before the timed ones.
+        repeat: timed steps; :attr:`MemoryReport.step_seconds` is their median.
+
+    Returns:
+        A :class:`MemoryReport`.
+
+    Raises:
+        InvalidArgumentError: ``model`` is not a module, the inputs have the wrong type,
+            ``forward``, ``loss_fn`` or backward raise (chained to the original error), or
+            the output has nothing to differentiate.
+
+    Example:
+        >>> import torch
+        >>> from autockpt.measure import measure
+        >>> model = torch.nn.Sequential(
+        ...     torch.nn.Linear(1000, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 1000)
+        ... )
+        >>> report = measure(model, torch.randn(16, 1000))
+        >>> report.saved_bytes  # ReLU output and final output, 16*1000*4 B each, + loss
+        128004
+        >>> "MiB" in str(report)
+        True
+    """
+    args, kwargs = _check_arguments(model, example_inputs, loss_fn, example_kwargs, warmup, repeat)
+    args = _map_tensors(args, _detach_non_leaf)
+    kwargs = _map_tensors(kwargs, _detach_non_leaf)
+
+    parameters = list(model.parameters())
+    buffers = list(model.buffers())
+    input_tensors = list(_iter_tensors((args, kwargs)))
+    device = _step_device(parameters, buffers, input_tensors)
+
+    # Leaves whose .grad backward writes: trainable parameters and leaf inputs that require
+    # grad. Deduplicated by identity; a tensor can be both an input and a parameter.
+    grad_leaves: dict[int, torch.Tensor] = {}
+    for tensor in [*parameters, *input_tensors]:
+        if tensor.requires_grad and tensor.is_leaf:
+            grad_leaves.setdefault(id(tensor), tensor)
+
+    step = _Step(model, args, kwargs, loss_fn, list(grad_leaves.values()), device)
+    with _PreservedState(model, step.grad_leaves, device):
+        for _ in range(warmup):
+            step.run()
+
+        tracked = step.run(
+            exclude=[*parameters, *buffers, *input_tensors],
+        )
+        assert tracked.tracker is not None
+        tracker = tracked.tracker
+
+        seconds: list[float] = []
+        cuda_peak: int | None = None
+        for index in range(repeat):
+            result = step.run(cuda_peak=index == 0 and device.type == "cuda")
+            seconds.append(result.seconds)
+            if result.cuda_peak_bytes is not None:
+                cuda_peak = result.cuda_peak_bytes
+
+    marks = {m.label: i for i, m in enumerate(tracker.marks)}
+    phase_peaks = tracker.phase_peaks
+    return MemoryReport(
+        peak_activation_bytes=tracker.peak_bytes,
+        saved_bytes=tracker.marks[marks["backward"]].current_bytes,
+        forward_peak_bytes=max(phase_peaks[marks["forward"]], phase_peaks[marks["loss"]]),
+        backward_peak_bytes=phase_peaks[marks["backward"]],
+        step_seconds=statistics.median(seconds),
+        cuda_max_memory_allocated_bytes=cuda_peak,
+        device=str(device),
+        timeline=tuple(tracker.timeline),
+        marks=tuple(tracker.marks),
+    )
+
+
+# NOTE [ Gradients during a measured step ]
+#     Before each step every trainable leaf gets a fresh zero ``.grad``. Two reasons. When
+#     ``.grad`` is None, AccumulateGrad *steals* the incoming gradient buffer, which backward
+#     allocated as an op output: the tracker would then see a storage that never dies and
+#     report the parameter gradients as activations. With a gradient present and grad mode
+#     off, AccumulateGrad adds in place, so the temporary is freed as in any step after the
+#     first. And the user's own ``.grad`` tensors are never written: each leaf's previous
+#     ``.grad`` object (or None) is put back when measuring ends.
+
+
+@dataclass
+class _StepResult:
+    seconds: float
+    tracker: track_activation_memory | None = None
+    cuda_peak_bytes: int | None = None
+
+
+@dataclass
+class _Step:
+    """One forward + loss + backward of the model, runnable several times."""
+
+    model: torch.nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: LossFn | None
+    grad_leaves: list[torch.Tensor]
+    device: torch.device
+
+    def run(
+        self,
+        *,
+        exclude: list[torch.Tensor] | None = None,
+        cuda_peak: bool = False,
+    ) -> _StepResult:
+        """Run one step; track its memory when ``exclude`` is given (the tensors that
+        already exist), or measure the CUDA allocator's peak when ``cuda_peak``."""
+        # See NOTE [ Gradients during a measured step ].
+        zero_grads = [torch.zeros_like(leaf) for leaf in self.grad_leaves]
+        for leaf, grad in zip(self.grad_leaves, zero_grads):
+            leaf.grad = grad
+        try:
+            before = 0
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                if cuda_peak:
+                    before = torch.cuda.memory_allocated(self.device)
+                    torch.cuda.reset_peak_memory_stats(self.device)
+            if exclude is None:
+                start = time.perf_counter()
+                self._forward_backward(None)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                seconds = time.perf_counter() - start
+                peak = None
+                if cuda_peak:
+                    peak = torch.cuda.max_memory_allocated(self.device) - before
+                return _StepResult(seconds=seconds, cuda_peak_bytes=peak)
+
+            tracker = track_activation_memory(
+                exclude=[*exclude, *zero_grads], device=self.device
+            )
+            start = time.perf_counter()
+            with tracker:
+                self._forward_backward(tracker)
+            return _StepResult(seconds=time.perf_counter() - start, tracker=tracker)
+        finally:
+            for leaf in self.grad_leaves:
+                leaf.grad = None
+
+    def _forward_backward(self, tracker: track_activation_memory | None) -> None:
+        model_name = type(self.model).__name__
+        with torch.enable_grad():
+            if tracker is not None:
+                tracker.mark("forward")
+            try:
+                output = self.model(*self.args, **self.kwargs)
+            except Exception as err:
+                raise InvalidArgumentError(
+                    f"{model_name}.forward raised {type(err).__name__} on the example inputs: {err}",
+                    fix=(
+                        "check that example_inputs (positional) and example_kwargs match the "
+                        f"signature of {model_name}.forward and live on {self.device}"
+                    ),
+                ) from err
+
+            if tracker is not None:
+                tracker.mark("loss")
+            loss = self._loss(output, model_name)
+
+            if tracker is not None:
+                tracker.mark("backward")
+            try:
+                loss.backward()
+            except Exception as err:
+                raise InvalidArgumentError(
+                    f"backward through {model_name} raised {type(err).__name__}: {err}",
+                    fix=(
+                        "check that the model trains outside autockpt with the same inputs, "
+                        "e.g. that nothing modifies a tensor in place that backward needs"
+                    ),
+                ) from err
+            if tracker is not None:
+                tracker.mark("end")
+            del output, loss
+
+    def _loss(self, output: Any, model_name: str) -> torch.Tensor:
+        if self.loss_fn is None:
+            loss = _default_loss(output)
+            if loss is None:
+                raise InvalidArgumentError(
+                    f"the output of {model_name} holds no floating-point tensor that "
+                    "requires grad, so there is no backward to measure",
+                    fix=(
+                        "give the model trainable parameters (requires_grad=True), do not "
+                        "call measure() under torch.inference_mode(), or pass loss_fn"
+                    ),
+                )
+            return loss
+        try:
+            loss = self.loss_fn(output)
+        except Exception as err:
+            raise InvalidArgumentError(
+                f"loss_fn raised {type(err).__name__} on the output of {model_name}: {err}",
+                fix="loss_fn receives exactly what forward returns and must return a scalar tensor",
+            ) from err
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else f"a {type(loss).__name__}"
+            )
+            raise InvalidArgumentError(
+                f"loss_fn must return a scalar tensor, got {got}",
+                fix="reduce the loss, e.g. return loss.mean()",
+            )
+        if not loss.requires_grad:
+            raise InvalidArgumentError(
+                "the tensor returned by loss_fn does not require grad, so there is no "
+                "backward to measure",
+                fix="compute the loss from the model output without .detach() or torch.no_grad()",
+            )
+        return loss
+
+
+def _default_loss(output: Any) -> torch.Tensor | None:
+    """Sum of every floating-point output tensor that requires grad, or None if none does.
+
+    ``t.sum(dtype=float32)`` accumulates a half-precision output in float32 without the
+    output-sized copy that ``t.float().sum()`` would allocate (and the tracker would count).
+    """
+    total: torch.Tensor | None = None
+    for tensor in _iter_tensors(output):
+        if not (tensor.is_floating_point() and tensor.requires_grad):
+            continue
+        part = tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))
+        total = part if total is None else total + part
+    return total
+
+
+class _PreservedState:
+    """Snapshots what a training step changes in the user's world and puts it back.
+
+    Restored on exit, also when the step raised: the ``.grad`` of each leaf (the same
+    tensor object, or None), every buffer (the same tensor object, with its old values),
+    and the CPU and CUDA random number generators.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, grad_leaves: list[torch.Tensor], device: torch.device
+    ) -> None:
+        self._model = model
+        self._grad_leaves = grad_leaves
+        self._device = device
+        self._grads: list[torch.Tensor | None] = []
+        self._buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self._cpu_rng: torch.Tensor | None = None
+        self._cuda_rng: list[torch.Tensor] | None = None
+
+    def __enter__(self) -> _PreservedState:
+        self._grads = [leaf.grad for leaf in self._grad_leaves]
+        with torch.no_grad():
+            for module in self._model.modules():
+                for name, buffer in module.named_buffers(recurse=False):
+                    # Keep the object too: a forward may rebind the attribute to a new
+                    # tensor instead of updating in place.
+                    self._buffers.append((module, name, buffer, buffer.detach().clone()))
+        self._cpu_rng = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._cuda_rng = torch.cuda.get_rng_state_all()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for leaf, grad in zip(self._grad_leaves, self._grads):
+            leaf.grad = grad
+        with torch.no_grad():
+            for module, name, buffer, snapshot in self._buffers:
+                setattr(module, name, buffer)
+                buffer.copy_(snapshot)
+        self._buffers.clear()
+        assert self._cpu_rng is not None
+        torch.set_rng_state(self._cpu_rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)
+
+
+# --------------------------------------------------------------------------------------
+# Argument handling
+# --------------------------------------------------------------------------------------
+
+
+def _check_arguments(
+    model: Any,
+    example_inputs: Any,
+    loss_fn: Any,
+    example_kwargs: Any,
+    warmup: Any,
+    repeat: Any,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidArgumentError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}",
+            fix="pass the module itself, e.g. measure(model, x), not its output or state_dict",
+        )
+    if isinstance(example_inputs, torch.Tensor):
+        args: tuple[Any, ...] = (example_inputs,)
+    elif isinstance(example_inputs, tuple):
+        args = example_inputs
+    elif isinstance(example_inputs, list):
+        raise InvalidArgumentError(
+            "example_inputs must be a tensor or a tuple of positional arguments, got a list",
+            fix=(
+                "pass tuple(example_inputs) if the list holds the positional arguments, "
+                "or (example_inputs,) if forward takes the list as its one argument"
+            ),
+        )
+    elif isinstance(example_inputs, Mapping):
+        raise InvalidArgumentError(
+            "example_inputs must be a tensor or a tuple of positional arguments, got a mapping",
+            fix="pass keyword arguments as example_kwargs=..., e.g. measure(model, (), example_kwargs=batch)",
+        )
+    else:
+        raise InvalidArgumentError(
+            "example_inputs must be a tensor or a tuple of positional arguments, "
+            f"got {type(example_inputs).__name__}",
+            fix="wrap it in a tuple, e.g. measure(model, (x,))",
+        )
+
+    if example_kwargs is None:
+        kwargs: dict[str, Any] = {}
+    elif isinstance(example_kwargs, Mapping) and all(isinstance(k, str) for k in example_kwargs):
+        kwargs = dict(example_kwargs)
+    else:
+        raise InvalidArgumentError(
+            "example_kwargs must be a mapping from argument names to values, "
+            f"got {type(example_kwargs).__name__}",
+            fix="pass a dict such as example_kwargs={'attention_mask': mask}",
+        )
+
+    if loss_fn is not None and not callable(loss_fn):
+        raise InvalidArgumentError(
+            f"loss_fn must be callable, got {type(loss_fn).__name__}",
+            fix="pass a function of the model output that returns a scalar tensor, or None",
+        )
+    for name, value, least in (("warmup", warmup, 0), ("repeat", repeat, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InvalidArgumentError(
+                f"{name} must be an int >= {least}, got {value!r}",
+                fix=f"pass {name}={max(least, 1)}",
+            )
+
+    for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in tensors:
+            if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):
+                raise InvalidArgumentError(
+                    f"{kind} {name!r} of {type(model).__name__} is not initialized yet "
+                    "(a lazy module); its first forward would allocate it inside the "
+                    "measured step",
+                    fix="run the model once on the example inputs before measuring",
+                )
+    return args, kwargs
+
+
+def _step_device(
+    parameters: list[torch.Tensor], buffers: list[torch.Tensor], inputs: list[torch.Tensor]
+) -> torch.device:
+    """The device the step runs on: the model's, else the inputs', else the CPU."""
+    for tensor in [*parameters, *buffers, *inputs]:
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _detach_non_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """A non-leaf input would let backward run into the caller's graph and write the
+    ``.grad`` of tensors we cannot restore; cut it to a fresh leaf sharing its storage."""
+    if tensor.requires_grad and not tensor.is_leaf:
+        return tensor.detach().requires_grad_(True)
+    return tensor
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to the tensors in nested tuples (named ones too), lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        items = [_map_tensors(item, fn) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_map_tensors(item, fn) for item in obj]
+    if isinstance(obj, dict):
+        mapped = {key: _map_tensors(value, fn) for key, value in obj.items()}
+        return mapped if type(obj) is dict else _rebuild_dict(obj, mapped)
+    return obj
+
+
+def _rebuild_dict(original: dict[Any, Any], mapped: dict[Any, Any]) -> dict[Any, Any]:
+    try:
+        rebuilt = original.copy()
+        rebuilt.update(mapped)
+        return rebuilt
+    except Exception:
+        return mapped
+
+
+def _iter_tensors(obj: Any, _seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested output, once: tuples, lists, sets, mappings (including
+    ``ModelOutput``-like ordered dicts) and dataclass instances are walked."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return
+    if isinstance(obj, torch.Tensor):
+        seen.add(id(obj))
+        yield obj
+        return
+    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _iter_tensors(value, seen)
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        for item in obj:
+            yield from _iter_tensors(item, seen)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _iter_tensors(getattr(obj, f.name), seen)
