@@ -14,6 +14,7 @@ from autockpt.errors import (
     InvalidArgumentError,
     TraceError,
 )
+from autockpt.measure import MemoryReport, measure, track_activation_memory
 from autockpt.planner import STRATEGIES, Plan, Segment
 
 __version__ = "0.1.0"
@@ -23,12 +24,15 @@ __all__ = [
     "CheckpointError",
     "InfeasibleBudgetError",
     "InvalidArgumentError",
+    "MemoryReport",
     "Plan",
     "STRATEGIES",
     "Segment",
     "TraceError",
     "__version__",
     "apply",
+    "measure",
     "plan",
     "plan_of",
+    "track_activation_memory",
 ]

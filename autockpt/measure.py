@@ -219,6 +219,8 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
         # while the storage lives, and its weakref callback removes the entry before the id
         # can be reused (CPython clears weak references before freeing the object).
         self._live: dict[int, int] = {}
+        # id(storage) -> index of the op that allocated it, for reclassify().
+        self._born: dict[int, int] = {}
         self._live_refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         # Storages that existed before we saw them, held weakly: id(storage) -> weakref.
         self._foreign: dict[int, weakref.ref[torch.UntypedStorage]] = {}
@@ -301,6 +303,54 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             self._marks.append(new_mark)
             return new_mark
 
+    def reclassify(self, tensor: torch.Tensor) -> None:
+        """Treat ``tensor``'s storage as never having been an activation: stop counting it
+        and remove its bytes from every reading since it was allocated.
+
+        ``measure`` calls it when backward's gradient buffer becomes a parameter's ``.grad``.
+
+        Example:
+            >>> import torch
+            >>> with track_activation_memory() as tracker:
+            ...     kept = torch.ones(256)
+            ...     tracker.reclassify(kept)
+            >>> tracker.peak_bytes
+            0
+        """
+        with self._lock:
+            storage = _storage_of(tensor)
+            if storage is None:
+                return
+            key = id(storage)
+            self._excluded_storages.append(storage)
+            self._excluded_ptrs.add(storage.data_ptr())
+            nbytes = self._live.pop(key, None)
+            self._live_refs.pop(key, None)
+            born = self._born.pop(key, None)
+            if nbytes is None or born is None:
+                return
+            self._current -= nbytes
+            for i in range(born, len(self._op_bytes)):
+                self._op_bytes[i] -= nbytes
+            self._marks = [
+                m._replace(current_bytes=m.current_bytes - nbytes) if m.op_index > born else m
+                for m in self._marks
+            ]
+            self._rederive_peaks()
+
+    def _rederive_peaks(self) -> None:
+        """Peaks from the timeline (after reclassify() changed it)."""
+        ops = self._op_bytes
+        self._peak = max(max(ops, default=0), self._current)
+        bounds = [m.op_index for m in self._marks] + [len(ops)]
+        peaks = [
+            max([mark.current_bytes, *ops[start:end]])
+            for mark, start, end in zip(self._marks, bounds, bounds[1:])
+        ]
+        if peaks:
+            self._phase_peaks = peaks[:-1]
+            self._phase_peak = max(peaks[-1], self._current)
+
     # -- context manager -----------------------------------------------------------------
 
     def __enter__(self) -> track_activation_memory:
@@ -331,6 +381,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
                 # readings and releases the storages of the excluded tensors.
                 self._live_refs.clear()
                 self._live.clear()
+                self._born.clear()
                 self._foreign.clear()
                 self._excluded_storages.clear()
 
@@ -399,6 +450,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
         if storage.data_ptr() in self._excluded_ptrs:
             return
         self._live[key] = nbytes
+        self._born[key] = len(self._op_bytes)
         self._live_refs[key] = weakref.ref(storage, functools.partial(self._release, key))
         self._add(nbytes)
 
@@ -413,6 +465,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
         with self._lock:
             nbytes = self._live.pop(key, None)
             self._live_refs.pop(key, None)
+            self._born.pop(key, None)
             if nbytes is not None and self._state == "active":
                 self._current -= nbytes
 
@@ -553,7 +606,7 @@ def measure(
         >>> report = measure(model, torch.randn(16, 1000))
         >>> report.saved_bytes  # ReLU output and final output, 16*1000*4 B each, + loss
         128004
-        >>> "MiB" in str(report)
+        >>> "KiB" in str(report)
         True
     """
     args, kwargs = _check_arguments(model, example_inputs, loss_fn, example_kwargs, warmup, repeat)
@@ -607,13 +660,16 @@ def measure(
 
 
 # NOTE [ Gradients during a measured step ]
-#     Before each step every trainable leaf gets a fresh zero ``.grad``. Two reasons. When
-#     ``.grad`` is None, AccumulateGrad *steals* the incoming gradient buffer, which backward
-#     allocated as an op output: the tracker would then see a storage that never dies and
-#     report the parameter gradients as activations. With a gradient present and grad mode
-#     off, AccumulateGrad adds in place, so the temporary is freed as in any step after the
-#     first. And the user's own ``.grad`` tensors are never written: each leaf's previous
-#     ``.grad`` object (or None) is put back when measuring ends.
+#     Each step starts as after ``optimizer.zero_grad()`` (the default ``set_to_none=True``):
+#     every trainable leaf's ``.grad`` is None. AccumulateGrad then *steals* the gradient
+#     buffer backward allocated (or clones it): that storage is a parameter gradient from
+#     the moment it exists, not an activation, so a post-accumulate-grad hook tells the
+#     tracker to reclassify it, which removes its bytes from the whole timeline since it was
+#     allocated. Pre-allocating zero grads instead would make backward compute each weight
+#     gradient into a temporary and add it in place: a parameter-sized temporary that no
+#     checkpointing plan can remove, which is the gradient-accumulation case and not what a
+#     budget for activations is about. The user's own ``.grad`` tensors are never written:
+#     each leaf's previous ``.grad`` object (or None) is put back when measuring ends.
 
 
 @dataclass
@@ -643,9 +699,9 @@ class _Step:
         """Run one step; track its memory when ``exclude`` is given (the tensors that
         already exist), or measure the CUDA allocator's peak when ``cuda_peak``."""
         # See NOTE [ Gradients during a measured step ].
-        zero_grads = [torch.zeros_like(leaf) for leaf in self.grad_leaves]
-        for leaf, grad in zip(self.grad_leaves, zero_grads):
-            leaf.grad = grad
+        for leaf in self.grad_leaves:
+            leaf.grad = None
+        handles = []
         try:
             before = 0
             if self.device.type == "cuda":
@@ -664,14 +720,21 @@ class _Step:
                     peak = torch.cuda.max_memory_allocated(self.device) - before
                 return _StepResult(seconds=seconds, cuda_peak_bytes=peak)
 
-            tracker = track_activation_memory(
-                exclude=[*exclude, *zero_grads], device=self.device
-            )
+            tracker = track_activation_memory(exclude=exclude, device=self.device)
+            handles = [
+                leaf.register_post_accumulate_grad_hook(
+                    lambda leaf: tracker.reclassify(leaf.grad)  # type: ignore[arg-type]
+                )
+                for leaf in self.grad_leaves
+                if leaf.is_leaf
+            ]
             start = time.perf_counter()
             with tracker:
                 self._forward_backward(tracker)
             return _StepResult(seconds=time.perf_counter() - start, tracker=tracker)
         finally:
+            for handle in handles:
+                handle.remove()
             for leaf in self.grad_leaves:
                 leaf.grad = None
 

@@ -154,7 +154,9 @@ class Stage:
     carries_grad: bool
     """Whether any of its nodes produces a tensor that requires grad."""
     work_bytes: int
-    """Twice the largest output of its nodes: an op's input and output, or their gradients."""
+    """Backward working set: for its largest gradient-carrying node, the gradients of the
+    node's output and input, or the node's forward working set if larger (a leaf module's
+    backward allocates about what its forward did)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,8 @@ class _StorageRow:
     last_use: int  # stage; -1 if unused
     is_output: bool
     requires_grad: bool
+    producer_node: int
+    last_use_node: int  # the producer itself if nothing reads it
 
 
 @dataclass(frozen=True)
@@ -175,8 +179,10 @@ class Chain:
     stages: tuple[Stage, ...]
     storages: tuple[_StorageRow, ...]
     grad_cross_bytes: tuple[int, ...]
-    """Per stage: bytes of gradient-carrying storages alive across its end (their gradients
-    are alive when backward enters the stage)."""
+    """Per stage: bytes of gradient-carrying storages alive across its end, outputs included
+    (their gradients are alive when backward enters the stage)."""
+    node_work: tuple[int, ...]
+    """Per graph node: its forward working set in bytes."""
 
 
 # --------------------------------------------------------------------------- cut points
@@ -238,7 +244,10 @@ def build_chain(profile: Profile) -> Chain:
                 cost=flops + sum(m.output_bytes for m in members),
                 flops=flops,
                 carries_grad=any(m.requires_grad for m in members),
-                work_bytes=2 * max((m.output_bytes for m in members if m.requires_grad), default=0),
+                work_bytes=max(
+                    (max(2 * m.output_bytes, m.work_bytes) for m in members if m.requires_grad),
+                    default=0,
+                ),
             )
         )
     stage_of[n - 1] = len(stages)  # the output node sits after the last stage
@@ -254,14 +263,22 @@ def build_chain(profile: Profile) -> Chain:
                 last_use=max(users, default=-1),
                 is_output=st.is_output,
                 requires_grad=st.requires_grad,
+                producer_node=st.producer,
+                last_use_node=max([u for u in st.users if u < n - 1], default=st.producer),
             )
         )
     cross = [0] * (len(stages) + 1)
     for row in rows:
-        if row.requires_grad and row.last_use > row.producer:
-            for t in range(row.producer, row.last_use):
+        last = len(stages) if row.is_output else row.last_use
+        if row.requires_grad and last > row.producer:
+            for t in range(row.producer, last):
                 cross[t] += row.size
-    return Chain(stages=tuple(stages), storages=tuple(rows), grad_cross_bytes=tuple(cross))
+    return Chain(
+        stages=tuple(stages),
+        storages=tuple(rows),
+        grad_cross_bytes=tuple(cross),
+        node_work=tuple(node.work_bytes for node in nodes),
+    )
 
 
 # --------------------------------------------------------------------------- memory model
@@ -282,8 +299,8 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
             seg_start[t] = a
             seg_end[t] = b
     held_from = [0] * (count + 1)  # bytes whose earliest holder is stage t
-    held_produced = [0] * (count + 1)  # held bytes by producer stage
-    pending = [0] * (count + 2)  # not-held bytes alive in forward, by stage (difference array)
+    nodes = len(chain.node_work)
+    alive = [0] * (nodes + 1)  # bytes alive in forward, by node (difference array)
     recompute = {a: 0 for a, _ in ranges}
     for row in chain.storages:
         first_holder = count + 1
@@ -305,20 +322,22 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
             b = seg_end[p]
             saved_inside = any(t <= b for t in row.savers)
             escapes = row.last_use > b or row.is_output
-            if saved_inside or (escapes and mode == "reentrant") or (escapes and saved_inside):
+            if saved_inside or (escapes and mode == "reentrant"):
                 recompute[a] += row.size
-        if first_holder <= count:
+        held = first_holder <= count
+        if held:
             held_from[first_holder] += row.size
-            held_produced[p] += row.size
-        elif row.last_use > p:
-            pending[p + 1] += row.size
-            pending[row.last_use + 1] -= row.size
+        # In forward a storage lives from the node after its producer (the producer's own
+        # working set covers it there) to its last reader, or to the end if it is held.
+        end = nodes - 1 if held else row.last_use_node
+        if end > row.producer_node:
+            alive[row.producer_node + 1] += row.size
+            alive[end + 1] -= row.size
     peak = 0
-    held = alive = 0
-    for t in range(count):
-        alive += pending[t]
-        held += held_produced[t]
-        peak = max(peak, held + alive + chain.stages[t].work_bytes)
+    running = 0
+    for k in range(nodes):
+        running += alive[k]
+        peak = max(peak, running + chain.node_work[k])
     live = sum(held_from)
     t = count - 1
     while t >= 0:

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import functools
+import weakref
+
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -43,10 +46,34 @@ class _OpWatcher(TorchDispatchMode):
         super().__init__()
         self.random = False
         self.written: set[int] = set()
+        self._live: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
     def reset(self) -> None:
         self.random = False
         self.written = set()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._live = {}
+
+    def _release(self, key: int, _ref: object) -> None:
+        self.live_bytes -= self._live.pop(key, 0)
+
+    def _note_output(self, tensor: torch.Tensor) -> None:
+        # Fake storages are freed like real ones, so weak references tell how many bytes a
+        # node's ops hold at once: its working set, temporaries inside leaf modules included.
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._live:
+            return
+        size = storage.nbytes()
+        self._live[key] = size
+        self._refs.append(weakref.ref(storage, functools.partial(self._release, key)))
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    _refs: list[weakref.ref[torch.UntypedStorage]]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -57,7 +84,14 @@ class _OpWatcher(TorchDispatchMode):
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 for t in _tensors(value):
                     self.written.add(_storage_key(t))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            if not self._is_old(t):
+                self._note_output(t)
+        return out
+
+    def _is_old(self, tensor: torch.Tensor) -> bool:
+        return _storage_key(tensor) in self.old_keys
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -197,6 +231,10 @@ class _ProfileRunner(torch.nn.Module):
 
         flop_counter = FlopCounterMode(display=False)
         watcher = _OpWatcher()
+        watcher._refs = []
+        # Storages that exist before a node runs (inputs, parameters, earlier activations)
+        # are not part of its working set.
+        watcher.old_keys = set(self._param_keys) | set(self._input_keys)
         with flop_counter, watcher, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             for index, node in enumerate(nodes):
                 flops_before = flop_counter.get_total_flops()
@@ -223,6 +261,9 @@ class _ProfileRunner(torch.nn.Module):
                         if k in storage_index and storages[storage_index[k]]["producer"] != index
                     }
                 )
+                work_bytes = watcher.peak_bytes
+                watcher.old_keys.update(_storage_key(t) for t in _tensors(value))
+                watcher.old_keys.update(_storage_key(t) for t in saved_now)
                 out_storages: list[int] = []
                 output_bytes = 0
                 if node.op not in ("output", "get_attr"):
@@ -267,6 +308,7 @@ class _ProfileRunner(torch.nn.Module):
                     requires_grad=any(t.requires_grad for t in _tensors(value)),
                     flops=int(flop_counter.get_total_flops() - flops_before),
                     output_bytes=output_bytes,
+                    work_bytes=max(work_bytes, output_bytes),
                     random=watcher.random,
                     trainable=trainable,
                     mutated_inputs=tuple(mutated_inputs),

@@ -39,6 +39,9 @@ class NodeStat:
     """Forward floating-point operations, as counted by ``torch.utils.flop_counter``."""
     output_bytes: int
     """Bytes of the new storages the node's output occupies (0 for a view of an older one)."""
+    work_bytes: int
+    """Most bytes of new storages alive at once while the node runs: its output plus the
+    temporaries of its ops (inside a leaf module too)."""
     random: bool
     """Whether the node runs a random op (dropout, ``rand``...): recompute must replay the RNG."""
     trainable: bool
