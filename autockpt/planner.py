@@ -528,7 +528,7 @@ def make_plan(
         )
     if min_peak is None:
         min_peak = min(estimate_peak(chain, r, mode) for r in _candidates(chain))
-    segments, skipped = _describe(profile, chain, ranges, mode)
+    segments, skipped = _describe(profile, chain, ranges, mode, budget_bytes)
     notes = []
     if not ranges:
         if budget_bytes is not None and baseline <= budget_bytes:
@@ -558,7 +558,7 @@ def _mib(num_bytes: int) -> str:
 
 
 def _describe(
-    profile: Profile, chain: Chain, ranges: Ranges, mode: str
+    profile: Profile, chain: Chain, ranges: Ranges, mode: str, budget_bytes: int | None
 ) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
     """Turn stage ranges into Segment rows, and the stretches between them into skipped rows."""
     nodes = profile.nodes
@@ -598,7 +598,6 @@ def _describe(
     for a, b in ranges:
         for t in range(a, b + 1):
             covered[t] = True
-    last_ckpt = max((b for _, b in ranges), default=-1)
     t = 0
     while t < len(stages):
         if covered[t]:
@@ -610,14 +609,15 @@ def _describe(
             u += 1
         members = nodes[stages[t].start : stages[u].end]
         if any(m.op not in ("placeholder", "get_attr") for m in members):
+            trailing = not any(s.carries_grad for s in stages[u + 1 :])
             if not grad:
                 reason = "no gradient flows here: nothing is saved for backward"
-            elif u == len(stages) - 1 or not any(s.carries_grad for s in stages[u + 1 :]):
-                reason = "last segment: backward needs its activations first, so checkpointing saves nothing"
+            elif budget_bytes is not None:
+                reason = "cheaper to keep: the budget is met without recomputing it"
+            elif trailing:
+                reason = "backward reads these activations first: checkpointing saves nothing"
             else:
-                reason = "cheaper to keep: the budget is met without recomputing it"
-            if t > last_ckpt and ranges and grad and reason.startswith("cheaper"):
-                reason = "cheaper to keep: the budget is met without recomputing it"
+                reason = "recomputing it would not lower the peak"
             skipped.append(
                 _segment(members, checkpointed=False, boundary_bytes=0, freed_bytes=0,
                          recompute_flops=0, dummy_arg=False, reason=reason)

@@ -68,7 +68,7 @@ def format_plan(plan: Plan) -> str:
             if seg.preserve_rng:
                 notes.append("rng replayed")
             if seg.buffers:
-                notes.append(f"{len(seg.buffers)} buffers restored")
+                notes.append(f"{len(seg.buffers)} buffers updated once")
             rows.append([
                 str(number), _span(seg), str(seg.node_count),
                 format_bytes(seg.boundary_bytes), format_bytes(seg.freed_bytes),
