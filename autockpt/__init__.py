@@ -2,8 +2,9 @@
 
 Example:
     >>> import torch, autockpt
-    >>> net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-    >>> ckpt = autockpt.apply(net, budget_mb=0.5, example_inputs=(torch.randn(32, 256),))
+    >>> net = torch.nn.Sequential(*[m for _ in range(16)
+    ...                             for m in (torch.nn.Linear(512, 512), torch.nn.ReLU())])
+    >>> ckpt = autockpt.apply(net, budget_mb=1.5, example_inputs=(torch.randn(64, 512),))
 """
 
 from autockpt.api import apply, plan, plan_of

@@ -59,9 +59,10 @@ def apply(
 
     Example:
         >>> import torch, autockpt
-        >>> net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-        >>> x = torch.randn(32, 256)
-        >>> ckpt = autockpt.apply(net, budget_mb=0.5, example_inputs=(x,))
+        >>> net = torch.nn.Sequential(*[m for _ in range(16)
+        ...                             for m in (torch.nn.Linear(512, 512), torch.nn.ReLU())])
+        >>> x = torch.randn(64, 512)
+        >>> ckpt = autockpt.apply(net, budget_mb=1.5, example_inputs=(x,))
         >>> ckpt(x).sum().backward()
         >>> len(autockpt.plan_of(ckpt).segments) > 0
         True
@@ -115,8 +116,9 @@ def plan(
 
     Example:
         >>> import torch, autockpt
-        >>> net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-        >>> p = autockpt.plan(net, (torch.randn(32, 256),), budget_mb=0.5)
+        >>> net = torch.nn.Sequential(*[m for _ in range(16)
+        ...                             for m in (torch.nn.Linear(512, 512), torch.nn.ReLU())])
+        >>> p = autockpt.plan(net, (torch.randn(64, 512),), budget_mb=1.5)
         >>> p.estimated_peak_bytes <= p.budget_bytes
         True
 
