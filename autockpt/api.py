@@ -52,7 +52,8 @@ def apply(
             taken as keyword inputs. Without them, planning happens at the first training
             forward, from the real batch, and again for each new input signature.
         example_kwargs: keyword inputs to plan for.
-        plan: a plan from :func:`plan` to apply as it is (no budget then).
+        plan: a plan from :func:`plan` to apply as it is (no budget then; the plan's mode is
+            used).
         mode: ``"non_reentrant"`` (default) or ``"reentrant"`` checkpoint.
         strategy: how segments are chosen: ``"greedy"`` (least recompute found under the
             budget) or ``"sqrt"`` (Chen et al.'s sqrt(n) segments).
@@ -86,13 +87,11 @@ def apply(
             "pass either budget_mb or plan, not both: a plan already fixes the segments",
             fix="drop budget_mb, or make the plan with that budget",
         )
-    if plan is not None and plan.mode != mode:
-        mode = plan.mode
-    source = model
-    if is_checkpointed(model):
-        source = model  # re-planning a transformed module starts from its shared tree
+    if plan is not None:
+        mode = plan.mode  # a plan's memory estimate holds for the mode it was made for
     config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan)
-    transformed = make_checkpointed(source, config)
+    # A transformed module can be applied again: the new one shares the same tree.
+    transformed = make_checkpointed(model, config)
     if example_inputs is not None or example_kwargs is not None:
         args, kwargs = _split_inputs(example_inputs, example_kwargs)
         _with_context(transformed, args, kwargs, lambda: transformed._autockpt.prepare(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
 from autockpt.stats import NodeStat, Profile
@@ -451,7 +451,7 @@ def _choose(chain: Chain, budget: int | None, mode: str, refine: bool) -> tuple[
     scored = [(estimate_peak(chain, r, mode), _cost(chain, r), r) for r in _candidates(chain)]
     min_peak = min(peak for peak, _, _ in scored)
     if budget is None:
-        peak, _, ranges = min(scored, key=lambda item: (item[0], item[1]))
+        _, _, ranges = min(scored, key=lambda item: (item[0], item[1]))
         return ranges, min_peak
     feasible = [item for item in scored if item[0] <= budget]
     if not feasible:
@@ -643,7 +643,3 @@ def _segment(members: Sequence[NodeStat], **fields: object) -> Segment:
         **fields,  # type: ignore[arg-type]
     )
 
-
-def with_model(plan: Plan, **changes: object) -> Plan:
-    """A copy of ``plan`` with fields replaced (``dataclasses.replace`` for frozen plans)."""
-    return replace(plan, **changes)  # type: ignore[arg-type]

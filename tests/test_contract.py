@@ -234,3 +234,28 @@ def test_state_dict_keys_of_the_zoo_are_unchanged_after_a_step() -> None:
     train_step(ckpt, case, args, kwargs, seed=0)
     assert list(ckpt.state_dict()) == list(model.state_dict())
     assert [n for n, _ in ckpt.named_buffers()] == [n for n, _ in model.named_buffers()]
+
+
+def test_parts_without_gradient_are_never_checkpointed() -> None:
+    """The attention mask is built from raw token ids: nothing there is saved for backward."""
+    case = get_case("transformer")
+    model = case.build()
+    args, _ = case.inputs()
+    plan = autockpt.plan(model, args)
+    assert plan.segments
+    reasons = [s.reason for s in plan.skipped]
+    assert any(r.startswith("no gradient flows here") for r in reasons)
+    no_grad = [s for s in plan.skipped if s.reason.startswith("no gradient")]
+    for segment in plan.segments:
+        for stretch in no_grad:
+            assert segment.end <= stretch.start or stretch.end <= segment.start
+
+
+def test_applying_a_transformed_module_again_replans_on_the_same_tree() -> None:
+    model, x = _chain_and_input()
+    first = autockpt.apply(model, example_inputs=(x,))
+    second = autockpt.apply(first, budget_mb=autockpt.plan_of(first).baseline_peak_bytes / 2**20,
+                            example_inputs=(x,))
+    assert not autockpt.plan_of(second).segments and autockpt.plan_of(first).segments
+    assert all(a is b for a, b in zip(second.parameters(), model.parameters()))
+    assert type(second) is type(first)
