@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import doctest
+import importlib
 from collections import OrderedDict
 from typing import Any
 
@@ -14,8 +15,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-import autockpt.measure
-import autockpt.units
+# The package exports the function autockpt.measure, which shadows the module of that name.
+measure_module = importlib.import_module("autockpt.measure")
+units_module = importlib.import_module("autockpt.units")
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.measure import MemoryReport, measure, track_activation_memory
 from autockpt.units import format_bytes
@@ -263,7 +265,7 @@ def test_default_loss_walks_nested_outputs() -> None:
     model = Nested()
     x = torch.randn(2, 8)
     output = model(x)
-    loss = autockpt.measure._default_loss(output)
+    loss = measure_module._default_loss(output)
     assert loss is not None
     expected = output["first"].sum() + output["pair"][0].sum() + output["extra"].logits.sum()
     assert torch.allclose(loss, expected)
@@ -516,6 +518,6 @@ def test_keyword_inputs_are_passed_to_forward() -> None:
 
 
 def test_docstring_examples() -> None:
-    for module in (autockpt.measure, autockpt.units):
+    for module in (measure_module, units_module):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__
