@@ -1422,7 +1422,7 @@ def _apply(
             continue
         if name not in payload:
             raise CheckpointError(
-                f"{str(path)!r} was saved without {name} state, but a {name} was passed",
+                f"{str(path)!r} was saved without {name} state, but {name}= was passed",
                 fix=f"pass {name}=None to keep its current (fresh) state",
             )
         try:
