@@ -82,11 +82,14 @@ def temp_path_for(final: Path) -> Path:
     return final.with_name(f"{TEMP_PREFIX}{final.name}.{os.getpid()}")
 
 
-def atomic_write(final: Path, write: Callable[[IO[bytes]], None]) -> tuple[str, int]:
+def atomic_write(
+    final: Path, write: Callable[[IO[bytes]], None], *, sync_dir: bool = True
+) -> tuple[str, int]:
     """Write ``final`` so that it is either absent, its old version, or complete; never torn.
 
     ``write`` receives a binary file object. Returns the sha256 hex digest and size in bytes
-    of what was written. The directory is fsynced after the rename.
+    of what was written. The directory is fsynced after the rename unless ``sync_dir=False``
+    (the caller then fsyncs it after a later rename in the same directory).
     """
     tmp = temp_path_for(final)
     try:
@@ -100,7 +103,8 @@ def atomic_write(final: Path, write: Callable[[IO[bytes]], None]) -> tuple[str, 
         # A KeyboardInterrupt mid-write must not leave a temp file behind either.
         tmp.unlink(missing_ok=True)
         raise
-    fsync_directory(final.parent)
+    if sync_dir:
+        fsync_directory(final.parent)
     return hashing.sha256.hexdigest(), hashing.size
 
 
