@@ -1259,7 +1259,7 @@ def _raise_if_rank0_failed(error: BaseException | None, rank: int, world: int, p
 
 _WEIGHTS_ONLY_LEAVES = (
     type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype,
-    torch.device, torch.Size, slice,
+    torch.device, torch.Size,
 )
 
 
