@@ -42,12 +42,8 @@ Example:
 from __future__ import annotations
 
 import builtins
-import contextlib
-import json
 import math
 import os
-import re
-import sys
 import time
 import warnings
 from collections import OrderedDict
@@ -55,13 +51,13 @@ from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import Sampler
 
-from autockpt import _ckpt_io as io
+from autockpt import _checkpoint_impl as impl
 from autockpt.errors import CheckpointError, InvalidArgumentError
 
 __all__ = [
@@ -78,18 +74,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-FORMAT_VERSION = 1
-_FORMAT_KEY = "autockpt_checkpoint"
-_INDEX_NAME = "index.json"
-_INDEX_FORMAT = "autockpt-checkpoint-index"
-_NAME_RE = re.compile(r"^ckpt-(\d{10,})\.(pt|dcp)$")
-_DCP_META = "meta.pt"
-
-
-class _Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> Any: ...
+_Stateful = impl.Stateful
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,51 +243,26 @@ def load_state_dict(
             f"model must be a torch.nn.Module, got {type(model).__name__}",
             fix="pass the model (wrapped or not) whose weights to load",
         )
-    if _is_sharded(model):
+    if impl.is_sharded(model):
         raise CheckpointError(
             f"{type(model).__name__} has sharded (DTensor/FSDP) parameters, which "
             "load_state_dict does not fill",
             fix="resume it with CheckpointManager.resume, which uses torch.distributed.checkpoint",
         )
     if isinstance(source, (str, os.PathLike)):
-        obj = _torch_load(Path(source), map_location=map_location, verify=True)
+        obj = impl.torch_load(Path(source), map_location=map_location, verify=True)
         where = repr(str(source))
     else:
         obj, where = source, "the given object"
-    state = _find_state_dict(obj, where)
+    state = impl.find_state_dict(obj, where)
     return _load_into(model, state, strict=strict, where=where)
-
-
-def _find_state_dict(obj: Any, where: str) -> Mapping[str, Any]:
-    """The state_dict inside ``obj``: itself, or nested under a conventional key."""
-    for _ in range(4):
-        if not isinstance(obj, Mapping):
-            break
-        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-            return obj
-        for key in ("state_dict", "model_state_dict", "model"):
-            if isinstance(obj.get(key), Mapping):
-                obj = obj[key]
-                break
-        else:
-            # A state_dict may hold non-tensor `_extra_state` entries next to tensors.
-            if obj and any(isinstance(v, torch.Tensor) for v in obj.values()):
-                return obj
-            break
-    keys = list(obj)[:8] if isinstance(obj, Mapping) else None
-    raise CheckpointError(
-        f"no state_dict found in {where}: expected a dict of tensors, or one under "
-        f"'state_dict', 'model_state_dict' or 'model'; got {type(obj).__name__}"
-        + (f" with keys {keys}" if keys is not None else ""),
-        fix="pass the state_dict itself, e.g. load_state_dict(model, ckpt['my_key'])",
-    )
 
 
 def _load_into(
     model: nn.Module, state: Mapping[str, Any], *, strict: bool, where: str
 ) -> LoadResult:
     target = model.state_dict()
-    pairs = io.match_keys(state.keys(), target.keys())
+    pairs = impl.match_keys(state.keys(), target.keys())
     used = set(pairs.values())
     missing = tuple(k for k in target if k not in pairs)
     unexpected = tuple(k for k in state if k not in used)
@@ -322,7 +282,7 @@ def _load_into(
             fix="load the checkpoint into the model it was saved from, or pass strict=False "
             "to load the matching keys and get the rest in the returned LoadResult",
         )
-    mapped._metadata = _map_metadata(  # type: ignore[attr-defined]
+    mapped._metadata = impl.map_metadata(  # type: ignore[attr-defined]
         getattr(state, "_metadata", None), getattr(target, "_metadata", None)
     )
     # Our own matching already decided what loads; strict=False here only stops torch from
@@ -347,18 +307,6 @@ def _describe_mismatch(result: LoadResult, model_name: str, where: str) -> str:
             f"model {list(m.model_shape)}"
         )
     return "\n".join(lines)
-
-
-def _map_metadata(
-    source: Mapping[str, Any] | None, target: Mapping[str, Any] | None
-) -> OrderedDict[str, Any]:
-    """Module version metadata under the target's module names, so each module's
-    ``_load_from_state_dict`` sees the version it was saved with."""
-    out: OrderedDict[str, Any] = OrderedDict(target or {})
-    if source:
-        for tkey, skey in io.match_keys(source.keys(), out.keys()).items():
-            out[tkey] = source[skey]
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,7 +338,7 @@ def save_checkpoint(
         >>> save_checkpoint(path, model=torch.nn.Linear(2, 2), step=10).name
         'last.pt'
     """
-    final = _as_path(path, "path")
+    final = impl.as_path(path, "path")
     if final.is_dir():
         raise InvalidArgumentError(
             f"path {str(final)!r} is a directory",
@@ -401,20 +349,20 @@ def save_checkpoint(
             f"the directory of path {str(final)!r} does not exist",
             fix=f"create it first: os.makedirs({str(final.parent)!r}, exist_ok=True)",
         )
-    _check_components(model, optimizer, scheduler, scaler)
-    step = _check_step(step)
-    payload = _payload(
+    impl.check_components(model, optimizer, scheduler, scaler)
+    step = impl.check_step(step)
+    payload = impl.payload(
         step=step,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=scaler,
-        epoch=_check_epoch(epoch),
-        metrics=io.encode_metrics(metrics),
+        epoch=impl.check_epoch(epoch),
+        metrics=impl.encode_metrics(metrics),
         extra=extra,
-        ranks=[_local_state(sampler_state)],
+        ranks=[impl.local_state(sampler_state)],
     )
-    _write_file(final, payload)
+    impl.write_file(final, payload)
     return final
 
 
@@ -443,14 +391,14 @@ def load_checkpoint(
         >>> load_checkpoint(path, model=torch.nn.Linear(2, 2)).step
         10
     """
-    _check_components(model, optimizer, scheduler, scaler)
-    file = _as_path(path, "path")
+    impl.check_components(model, optimizer, scheduler, scaler)
+    file = impl.as_path(path, "path")
     if file.is_dir():
         raise InvalidArgumentError(
             f"path {str(file)!r} is a directory",
             fix="for a sharded (.dcp) checkpoint use CheckpointManager(parent).resume(...)",
         )
-    payload = _read_payload(file, sha256=None, size=None, map_location=map_location)
+    payload = impl.read_payload(file, sha256=None, size=None, map_location=map_location)
     return _apply(
         payload,
         path=file,
@@ -499,7 +447,7 @@ class CheckpointManager:
         monitor: str | None = None,
         mode: str = "min",
     ) -> None:
-        self.directory = _as_path(directory, "directory")
+        self.directory = impl.as_path(directory, "directory")
         if self.directory.exists() and not self.directory.is_dir():
             raise InvalidArgumentError(
                 f"directory {str(self.directory)!r} exists and is not a directory",
@@ -537,6 +485,7 @@ class CheckpointManager:
         self.monitor = monitor
         self.mode = mode
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._index = impl.Index(self.directory, CheckpointWarning)
 
     def __repr__(self) -> str:
         return (
@@ -556,7 +505,7 @@ class CheckpointManager:
             >>> [r.step for r in m.list()]
             [1]
         """
-        return [self._record(e) for e in self._read_index()]
+        return [self._record(e) for e in self._index.read()]
 
     def latest(self) -> CheckpointRecord | None:
         """The checkpoint with the highest step, or None when there is none.
@@ -566,7 +515,7 @@ class CheckpointManager:
             >>> CheckpointManager(tempfile.mkdtemp()).latest() is None
             True
         """
-        entries = self._read_index()
+        entries = self._index.read()
         return self._record(entries[-1]) if entries else None
 
     def best(self) -> CheckpointRecord | None:
@@ -585,7 +534,7 @@ class CheckpointManager:
                 "best() needs a metric to rank by, but this manager has monitor=None",
                 fix='create the manager with monitor="<metric name>"',
             )
-        entries = [e for e in self._read_index() if self.monitor in e["metrics"]]
+        entries = [e for e in self._index.read() if self.monitor in e["metrics"]]
         if not entries:
             return None
         return self._record(min(entries, key=self._rank_key))
@@ -617,41 +566,57 @@ class CheckpointManager:
             >>> m.save(100, model=torch.nn.Linear(2, 2), epoch=3, metrics={"loss": 0.1}).name
             'ckpt-0000000100.pt'
         """
-        step = _check_step(step)
-        _check_components(model, optimizer, scheduler, scaler)
-        metrics_f = io.encode_metrics(metrics)
+        step = impl.check_step(step)
+        impl.check_components(model, optimizer, scheduler, scaler)
+        metrics_f = impl.encode_metrics(metrics)
         if self.keep_best > 0 and self.monitor not in metrics_f:
             raise InvalidArgumentError(
                 f"save(step={step}) got metrics {sorted(metrics_f)} without the monitored "
                 f"metric {self.monitor!r} (keep_best={self.keep_best})",
                 fix=f"pass metrics={{{self.monitor!r}: value, ...}} on every save",
             )
-        epoch = _check_epoch(epoch)
-        rank, world = _dist_rank_world()
-        local = _local_state(sampler_state)
-        ranks = _gather_to_rank0(local, rank, world)
-        sharded = _is_sharded(model)
+        epoch = impl.check_epoch(epoch)
+        rank, world = impl.dist_rank_world()
+        local = impl.local_state(sampler_state)
+        ranks = impl.gather_to_rank0(local, rank, world)
+        sharded = impl.is_sharded(model)
         stem = f"ckpt-{step:010d}"
         final = self.directory / (stem + (".dcp" if sharded else ".pt"))
         error: BaseException | None = None
         if sharded:
             error = self._save_sharded(
-                final, step, model, optimizer, scheduler, scaler, epoch, metrics_f, extra,
-                ranks, rank, world,
+                final,
+                step,
+                model,
+                optimizer,
+                scheduler,
+                scaler,
+                epoch,
+                metrics_f,
+                extra,
+                ranks,
+                rank,
+                world,
             )
         elif rank == 0:
             try:
-                payload = _payload(
-                    step=step, model=model, optimizer=optimizer, scheduler=scheduler,
-                    scaler=scaler, epoch=epoch, metrics=metrics_f, extra=extra,
+                payload = impl.payload(
+                    step=step,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    epoch=epoch,
+                    metrics=metrics_f,
+                    extra=extra,
                     ranks=ranks,
                 )
-                self._drop_from_index(final)
-                sha, size = _write_file(final, payload)
+                self._index.unlist(final.name)
+                sha, size = impl.write_file(final, payload)
                 self._commit(final, step, epoch, metrics_f, sha=sha, size=size, files=None)
             except BaseException as err:
                 error = err
-        _raise_if_rank0_failed(error, rank, world, final)
+        impl.raise_if_rank0_failed(error, rank, world, final)
         return final
 
     def _save_sharded(
@@ -672,46 +637,39 @@ class CheckpointManager:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        tmp = self.directory / f"{io.TEMP_PREFIX}{final.name}"
+        tmp = self.directory / f"{impl.TEMP_PREFIX}{final.name}"
         if rank == 0:
-            _rmtree(tmp)
+            impl.rmtree(tmp)
             tmp.mkdir()
         if world > 1:
             dist.barrier()
         # Every rank takes part in DCP's collectives; only rank 0 finalises afterwards.
-        dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
+        dcp.save(impl.dcp_state(model, optimizer), checkpoint_id=str(tmp))
         if rank != 0:
             return None
         try:
-            payload = _payload(
-                step=step, model=None, optimizer=None, scheduler=scheduler, scaler=scaler,
-                epoch=epoch, metrics=metrics, extra=extra, ranks=ranks,
+            payload = impl.payload(
+                step=step,
+                model=None,
+                optimizer=None,
+                scheduler=scheduler,
+                scaler=scaler,
+                epoch=epoch,
+                metrics=metrics,
+                extra=extra,
+                ranks=ranks,
             )
             payload["sharded"] = True
-            _write_file(tmp / _DCP_META, payload, sidecar=False)
-            files = {}
-            for f in sorted(tmp.rglob("*")):
-                if f.is_file():
-                    files[f.relative_to(tmp).as_posix()] = {
-                        "sha256": io.file_sha256(f),
-                        "size": f.stat().st_size,
-                    }
-            self._drop_from_index(final)
-            _rmtree(final)
+            impl.write_file(tmp / impl.DCP_META, payload, sidecar=False)
+            files = impl.hash_files(tmp)
+            self._index.unlist(final.name)
+            impl.rmtree(final)
             os.replace(tmp, final)
-            io.fsync_directory(self.directory)
+            impl.fsync_directory(self.directory)
             self._commit(final, step, epoch, metrics, sha=None, size=None, files=files)
         except BaseException as err:
             return err
         return None
-
-    def _drop_from_index(self, final: Path) -> None:
-        """Before overwriting a step that exists, unlist it, so the index never names a file
-        that is being rewritten."""
-        entries = self._read_index()
-        kept = [e for e in entries if e["file"] != final.name]
-        if len(kept) != len(entries):
-            self._write_index(kept)
 
     def _commit(
         self,
@@ -735,13 +693,13 @@ class CheckpointManager:
             entry.update(sha256=sha, size=size)
         else:
             entry["files"] = files
-        entries = self._read_index(pending=final.name)
+        entries = self._index.read(pending=final.name)
         entries = [e for e in entries if e["file"] != final.name] + [entry]
         entries.sort(key=lambda e: e["step"])
         kept = self._retain(entries)
-        self._write_index(kept)
+        self._index.write(kept)
         # Deleting only after the index stops naming a file keeps "index => file is complete".
-        self._cleanup({e["file"] for e in kept})
+        self._index.cleanup({e["file"] for e in kept})
 
     def _retain(self, entries: builtins.list[dict[str, Any]]) -> builtins.list[dict[str, Any]]:
         if self.keep_last is None:
@@ -754,101 +712,7 @@ class CheckpointManager:
 
     def _rank_key(self, entry: Mapping[str, Any]) -> tuple[float, int]:
         value = entry["metrics"].get(self.monitor)
-        return (io.metric_sort_key(value, self.mode), -entry["step"])
-
-    def _cleanup(self, keep: set[str]) -> None:
-        # No directory fsync: a deletion lost to a power cut only brings back a file the index
-        # no longer names, which the next save removes again.
-        for child in self.directory.iterdir():
-            name = child.name
-            base = name[: -len(io.SIDECAR_SUFFIX)] if name.endswith(io.SIDECAR_SUFFIX) else name
-            if name.startswith(io.TEMP_PREFIX) or (_NAME_RE.match(base) and base not in keep):
-                _rmtree(child)
-
-    # ---- index ------------------------------------------------------------------------------
-
-    def _index_path(self) -> Path:
-        return self.directory / _INDEX_NAME
-
-    def _write_index(self, entries: builtins.list[dict[str, Any]]) -> None:
-        doc = {"format": _INDEX_FORMAT, "version": FORMAT_VERSION, "checkpoints": entries}
-        io.atomic_write_text(self._index_path(), json.dumps(doc, indent=1, sort_keys=True))
-
-    def _read_index(self, *, pending: str | None = None) -> builtins.list[dict[str, Any]]:
-        """The index entries, oldest step first. ``pending`` names a checkpoint being saved
-        right now, which a rebuild must not count as found."""
-        path = self._index_path()
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return self._rebuild_index("index.json is missing", pending)
-        try:
-            doc = json.loads(text)
-            if doc.get("format") != _INDEX_FORMAT:
-                raise ValueError(f"format is {doc.get('format')!r}")
-            if doc.get("version", 0) > FORMAT_VERSION:
-                raise CheckpointError(
-                    f"{str(path)!r} has index version {doc['version']}, newer than this "
-                    f"autockpt understands ({FORMAT_VERSION})",
-                    fix="upgrade autockpt",
-                )
-            entries = doc["checkpoints"]
-            for e in entries:
-                e["step"], e["file"], e["metrics"]  # noqa: B018 - schema check
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            return self._rebuild_index(f"index.json is unreadable ({err})", pending)
-        return sorted(entries, key=lambda e: e["step"])
-
-    def _rebuild_index(self, why: str, pending: str | None) -> builtins.list[dict[str, Any]]:
-        """Recover the list from the checkpoint files themselves (each one's own metadata and
-        checksum sidecar) when ``index.json`` was deleted or damaged outside autockpt."""
-        found = sorted(
-            (p for p in self.directory.iterdir() if _NAME_RE.match(p.name) and p.name != pending),
-            key=lambda p: p.name,
-        )
-        if not found:
-            return []
-        entries = []
-        for p in found:
-            try:
-                if p.is_dir():
-                    meta_file = p / _DCP_META
-                    files = {
-                        f.relative_to(p).as_posix(): {
-                            "sha256": io.file_sha256(f),
-                            "size": f.stat().st_size,
-                        }
-                        for f in sorted(p.rglob("*"))
-                        if f.is_file()
-                    }
-                    extra: dict[str, Any] = {"files": files}
-                else:
-                    meta_file = p
-                    sha = io.read_sidecar(p)
-                    if sha is None:
-                        continue
-                    io.verify_file(p, sha256=sha, size=None)
-                    extra = {"sha256": sha, "size": p.stat().st_size}
-                meta = json.loads(_torch_load(meta_file, map_location="cpu", verify=False)["meta"])
-            except (CheckpointError, OSError, KeyError, ValueError, TypeError):
-                continue
-            entries.append(
-                {
-                    "step": meta["step"],
-                    "file": p.name,
-                    "time": meta.get("time", p.stat().st_mtime),
-                    "epoch": meta.get("epoch"),
-                    "metrics": meta.get("metrics", {}),
-                    **extra,
-                }
-            )
-        warnings.warn(
-            f"{why} in {str(self.directory)!r}; rebuilt the list from {len(entries)} intact "
-            "checkpoint file(s) found there",
-            CheckpointWarning,
-            stacklevel=4,
-        )
-        return sorted(entries, key=lambda e: e["step"])
+        return (impl.metric_sort_key(value, self.mode), -entry["step"])
 
     def _record(self, entry: Mapping[str, Any]) -> CheckpointRecord:
         files = entry.get("files")
@@ -892,9 +756,9 @@ class CheckpointManager:
             >>> start
             0
         """
-        _check_components(model, optimizer, scheduler, scaler)
-        sharded_model = _is_sharded(model)
-        entries = self._read_index()
+        impl.check_components(model, optimizer, scheduler, scaler)
+        sharded_model = impl.is_sharded(model)
+        entries = self._index.read()
         skipped: builtins.list[Path] = []
         reasons: builtins.list[str] = []
         for entry in reversed(entries):
@@ -911,7 +775,7 @@ class CheckpointManager:
                 )
                 continue
             if entry.get("files") is not None:
-                _load_sharded(path, model, optimizer)
+                impl.load_sharded(path, model, optimizer)
                 model_for_apply = None
             elif sharded_model:
                 raise CheckpointError(
@@ -954,27 +818,13 @@ class CheckpointManager:
         path = self.directory / entry["file"]
         files = entry.get("files")
         if files is None:
-            return _read_payload(
+            return impl.read_payload(
                 path, sha256=entry["sha256"], size=entry["size"], map_location=map_location
             )
-        rank, world = _dist_rank_world()
-        # One rank reads all shards to verify them, instead of every rank reading everything.
-        problem: str | None = None
-        if rank == 0:
-            try:
-                for rel, rec in sorted(files.items()):
-                    io.verify_file(path / rel, sha256=rec["sha256"], size=rec["size"])
-            except CheckpointError as err:
-                problem = err.message
-        if world > 1:
-            import torch.distributed as dist
-
-            box = [problem]
-            dist.broadcast_object_list(box, src=0)
-            problem = box[0]
-        if problem is not None:
-            raise CheckpointError(problem)
-        return _read_payload(path / _DCP_META, sha256=None, size=None, map_location=map_location)
+        impl.verify_sharded(path, files)
+        return impl.read_payload(
+            path / impl.DCP_META, sha256=None, size=None, map_location=map_location
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1039,10 +889,8 @@ class ResumableSampler(Sampler[int]):
                 f"data_source length must be >= 0, got {length}", fix="pass the dataset length"
             )
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(
-                f"seed must be an int, got {seed!r}", fix="pass e.g. seed=0"
-            )
-        d_rank, d_world = _dist_rank_world()
+            raise InvalidArgumentError(f"seed must be an int, got {seed!r}", fix="pass e.g. seed=0")
+        d_rank, d_world = impl.dist_rank_world()
         num_replicas = d_world if num_replicas is None else num_replicas
         rank = d_rank if rank is None else rank
         if not (isinstance(num_replicas, int) and num_replicas >= 1):
@@ -1148,257 +996,6 @@ class ResumableSampler(Sampler[int]):
 # --------------------------------------------------------------------------------------------
 
 
-def _as_path(value: Any, name: str) -> Path:
-    if not isinstance(value, (str, os.PathLike)):
-        raise InvalidArgumentError(
-            f"{name} must be a str or os.PathLike, got {type(value).__name__}",
-            fix=f"pass {name} as a path string",
-        )
-    return Path(value)
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidArgumentError(
-            f"step must be an int >= 0, got {step!r}",
-            fix="pass the global step counter, e.g. save(step, ...)",
-        )
-    return int(step)
-
-
-def _check_epoch(epoch: Any) -> int | None:
-    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
-        raise InvalidArgumentError(
-            f"epoch must be an int or None, got {epoch!r}", fix="pass the epoch number"
-        )
-    return epoch
-
-
-def _check_components(
-    model: Any, optimizer: Any, scheduler: Any, scaler: Any
-) -> None:
-    if not isinstance(model, nn.Module):
-        raise InvalidArgumentError(
-            f"model must be a torch.nn.Module, got {type(model).__name__}",
-            fix="pass model=<your nn.Module> (wrapped in DDP/compile/FSDP or not)",
-        )
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise InvalidArgumentError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}",
-            fix="pass optimizer=<your optimizer> or leave it out",
-        )
-    for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
-        if obj is not None and not (
-            callable(getattr(obj, "state_dict", None))
-            and callable(getattr(obj, "load_state_dict", None))
-        ):
-            raise InvalidArgumentError(
-                f"{name} must have state_dict() and load_state_dict(), got {type(obj).__name__}",
-                fix=f"pass a torch {name} object or leave {name} out",
-            )
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _is_sharded(model: nn.Module) -> bool:
-    """FSDP2 parameters are DTensors; FSDP1 leaves its wrapper modules in the tree."""
-    # A DTensor or FSDP module can only exist once its module was imported; checking
-    # sys.modules first spares every unsharded user a ~1 s import on the first save.
-    dtensor_mod = sys.modules.get("torch.distributed.tensor") or sys.modules.get(
-        "torch.distributed._tensor"
-    )
-    dtensor = getattr(dtensor_mod, "DTensor", None)
-    if dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters()):
-        return True
-    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
-    return fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
-
-
-def _local_state(sampler_state: Any) -> tuple[dict[str, Any], builtins.list[torch.Tensor]]:
-    """This rank's RNG states and sampler state, JSON tree plus its tensors."""
-    tensors: builtins.list[torch.Tensor] = []
-    tree = {
-        "rng": io.capture_rng(tensors),
-        "sampler_state": io.encode_tree(sampler_state, tensors, "sampler_state"),
-    }
-    return tree, tensors
-
-
-def _gather_to_rank0(
-    local: tuple[dict[str, Any], builtins.list[torch.Tensor]], rank: int, world: int
-) -> builtins.list[tuple[dict[str, Any], builtins.list[torch.Tensor]]] | None:
-    if world == 1:
-        return [local]
-    import torch.distributed as dist
-
-    out: builtins.list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(local, out, dst=0)
-    return out
-
-
-def _raise_if_rank0_failed(error: BaseException | None, rank: int, world: int, path: Path) -> None:
-    """Tell every rank whether rank 0's write worked, so none waits forever or carries on
-    believing a checkpoint exists."""
-    if world > 1:
-        import torch.distributed as dist
-
-        box = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(box, src=0)
-        if rank != 0 and box[0] is not None:
-            raise CheckpointError(
-                f"rank 0 failed to write checkpoint {str(path)!r}: {box[0]}",
-                fix="see rank 0's traceback",
-            )
-    if error is not None:
-        raise error
-
-
-_WEIGHTS_ONLY_LEAVES = (
-    type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype,
-    torch.device, torch.Size,
-)
-
-
-def _check_loadable(obj: Any, where: str) -> None:
-    """Refuse at save time what ``torch.load(weights_only=True)`` would refuse at resume."""
-    if isinstance(obj, _WEIGHTS_ONLY_LEAVES):
-        return
-    if isinstance(obj, (dict, OrderedDict)):
-        for k, v in obj.items():
-            _check_loadable(k, f"{where} key")
-            _check_loadable(v, f"{where}[{k!r}]")
-        return
-    if isinstance(obj, (list, tuple, set)):
-        for i, v in enumerate(obj):
-            _check_loadable(v, f"{where}[{i}]")
-        return
-    raise InvalidArgumentError(
-        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
-        "torch.load(weights_only=True) refuses, so the checkpoint could not be resumed",
-        fix="keep only tensors, numbers, strings and lists/dicts of them in that state_dict",
-    )
-
-
-def _payload(
-    *,
-    step: int,
-    model: nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: _Stateful | None,
-    scaler: _Stateful | None,
-    epoch: int | None,
-    metrics: dict[str, float],
-    extra: Any,
-    ranks: builtins.list[tuple[dict[str, Any], builtins.list[torch.Tensor]]] | None,
-) -> dict[str, Any]:
-    assert ranks is not None
-    tensors: builtins.list[torch.Tensor] = []
-    meta = {
-        "step": step,
-        "epoch": epoch,
-        "metrics": metrics,
-        "time": time.time(),
-        "extra": io.encode_tree(extra, tensors, "extra"),
-        "ranks": [tree for tree, _ in ranks],
-        "torch_version": torch.__version__,
-    }
-    payload: dict[str, Any] = {
-        _FORMAT_KEY: FORMAT_VERSION,
-        "meta": io.dumps(meta),
-        "tensors": tensors,
-        "rank_tensors": [ts for _, ts in ranks],
-    }
-    if model is not None:
-        payload["model"] = io.canonical_state_dict(model.state_dict())
-    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-        if obj is not None:
-            state = obj.state_dict()
-            _check_loadable(state, f"{name}.state_dict()")
-            payload[name] = state
-    return payload
-
-
-def _write_file(final: Path, payload: dict[str, Any], *, sidecar: bool = True) -> tuple[str, int]:
-    """Atomic torch.save plus, optionally, the ``.sha256`` sidecar (written second, so a
-    sidecar always describes a complete file)."""
-    try:
-        # With a sidecar, one directory fsync after its rename makes both renames durable
-        # before the caller writes the index that names them.
-        sha, size = io.atomic_write(final, lambda f: torch.save(payload, f), sync_dir=not sidecar)
-        if sidecar:
-            io.atomic_write_text(io.sidecar_path(final), f"{sha}  {final.name}\n")
-    except OSError as err:
-        raise CheckpointError(
-            f"could not write checkpoint {str(final)!r}: {err}",
-            fix="check free disk space and write permission on that directory",
-        ) from err
-    return sha, size
-
-
-def _torch_load(path: Path, *, map_location: Any, verify: bool) -> Any:
-    if verify and path.is_file():
-        io.verify_file(path, sha256=io.read_sidecar(path), size=None)
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint file {str(path)!r} does not exist",
-            fix="check the path, or use CheckpointManager(dir).list() to see what exists",
-        ) from None
-    except IsADirectoryError:
-        raise CheckpointError(
-            f"{str(path)!r} is a directory, not a checkpoint file",
-            fix="pass the file path; sharded .dcp directories load via CheckpointManager.resume",
-        ) from None
-    except Exception as err:
-        text = str(err)
-        if "weights_only" in text or "Unsupported global" in text:
-            raise CheckpointError(
-                f"{str(path)!r} holds Python objects that torch.load(weights_only=True) "
-                f"refuses to unpickle: {text.splitlines()[0][:300]}",
-                fix="if you trust this file, load it yourself with torch.load(path, "
-                "weights_only=False) and pass the resulting object to load_state_dict",
-            ) from err
-        raise CheckpointError(
-            f"{str(path)!r} is not a readable torch file (truncated or corrupted?): "
-            f"{text.splitlines()[0][:300] if text else type(err).__name__}",
-            fix="restore it, or let CheckpointManager.resume fall back to an older checkpoint",
-        ) from err
-
-
-def _read_payload(
-    path: Path, *, sha256: str | None, size: int | None, map_location: Any
-) -> dict[str, Any]:
-    if sha256 is not None or size is not None:
-        io.verify_file(path, sha256=sha256, size=size)
-        payload = _torch_load(path, map_location=map_location, verify=False)
-    else:
-        payload = _torch_load(path, map_location=map_location, verify=True)
-    if not isinstance(payload, dict) or _FORMAT_KEY not in payload:
-        raise CheckpointError(
-            f"{str(path)!r} is not an autockpt checkpoint (no {_FORMAT_KEY!r} entry)",
-            fix="to load only the weights of another file use load_state_dict(model, path)",
-        )
-    if payload[_FORMAT_KEY] > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{str(path)!r} has checkpoint format {payload[_FORMAT_KEY]}, newer than this "
-            f"autockpt reads ({FORMAT_VERSION})",
-            fix="upgrade autockpt",
-        )
-    try:
-        payload["meta"] = json.loads(payload["meta"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(
-            f"{str(path)!r} has unreadable metadata: {err}",
-            fix="restore it, or let CheckpointManager.resume fall back to an older checkpoint",
-        ) from err
-    return payload
-
-
 def _apply(
     payload: dict[str, Any],
     *,
@@ -1431,14 +1028,14 @@ def _apply(
                 fix=f"build the {name} exactly as when saving (same parameter groups and "
                 f"order), or pass {name}=None",
             ) from err
-    rank, _ = _dist_rank_world()
+    rank, _ = impl.dist_rank_world()
     ranks = meta["ranks"]
     sampler_state = None
     if rank < len(ranks):
         tensors = payload["rank_tensors"][rank]
         if restore_rng:
-            io.restore_rng(ranks[rank]["rng"], tensors, CheckpointWarning)
-        sampler_state = io.decode_tree(ranks[rank]["sampler_state"], tensors)
+            impl.restore_rng(ranks[rank]["rng"], tensors, CheckpointWarning)
+        sampler_state = impl.decode_tree(ranks[rank]["sampler_state"], tensors)
     else:
         warnings.warn(
             f"{str(path)!r} was saved by {len(ranks)} rank(s); rank {rank} has no saved RNG or "
@@ -1450,50 +1047,7 @@ def _apply(
         step=meta["step"],
         epoch=meta["epoch"],
         metrics=MappingProxyType(dict(meta["metrics"])),
-        extra=io.decode_tree(meta["extra"], payload["tensors"]),
+        extra=impl.decode_tree(meta["extra"], payload["tensors"]),
         sampler_state=sampler_state,
         path=path,
     )
-
-
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optimizer": osd}
-
-
-def _load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    state = _dcp_state(model, optimizer)
-    try:
-        with warnings.catch_warnings():
-            # Loading a sharded checkpoint into one unsharded process is intended here.
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-            dcp.load(state, checkpoint_id=str(path))
-    except Exception as err:
-        raise CheckpointError(
-            f"could not load sharded checkpoint {str(path)!r} into {type(model).__name__}: "
-            f"{str(err).splitlines()[0][:400] if str(err) else type(err).__name__}",
-            fix="build the model and optimizer as when saving (same parameter names), then resume",
-        ) from err
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()

@@ -57,7 +57,9 @@ class Net(nn.Module):
         return self.head(self.block(x))
 
 
-def trained(seed: int = 0) -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def trained(
+    seed: int = 0,
+) -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     torch.manual_seed(seed)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -70,7 +72,9 @@ def trained(seed: int = 0) -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_s
     return model, opt, sched
 
 
-def fresh(seed: int = 99) -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def fresh(
+    seed: int = 99,
+) -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     torch.manual_seed(seed)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -201,7 +205,9 @@ def test_optimizer_with_other_param_groups_is_an_error(tmp_path: Path) -> None:
     model, opt, _ = trained()
     path = save_checkpoint(tmp_path / "o.pt", model=model, optimizer=opt)
     model2, _, _ = fresh()
-    other = torch.optim.Adam([{"params": model2.block.parameters()}, {"params": model2.head.parameters()}])
+    other = torch.optim.Adam(
+        [{"params": model2.block.parameters()}, {"params": model2.head.parameters()}]
+    )
     with pytest.raises(CheckpointError, match="optimizer state .* does not fit Adam"):
         load_checkpoint(path, model=model2, optimizer=other)
 
@@ -214,7 +220,9 @@ def test_unloadable_scheduler_state_is_refused_at_save_time(tmp_path: Path) -> N
         def load_state_dict(self, state: object) -> None:
             pass
 
-    with pytest.raises(InvalidArgumentError, match=r"scheduler.state_dict\(\)\['fn'\].*weights_only"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"scheduler.state_dict\(\)\['fn'\].*weights_only"
+    ):
         save_checkpoint(tmp_path / "x.pt", model=tiny(), scheduler=Odd())
     assert list(tmp_path.iterdir()) == []
 
@@ -443,7 +451,7 @@ def test_load_state_dict_across_wrappers(src_kind: str, dst_kind: str) -> None:
     result = load_state_dict(dst, src.state_dict())
     assert isinstance(result, LoadResult) and result.ok
     assert len(result.loaded_keys) == len(dst.state_dict())
-    for a, b in zip(weights(src_bare), weights(dst_bare)):
+    for a, b in zip(weights(src_bare), weights(dst_bare), strict=True):
         assert bitwise_equal(a, b)
 
 
@@ -464,7 +472,7 @@ def test_prefixed_raw_keys_load_everywhere(prefix: str, dst_kind: str) -> None:
     torch.manual_seed(1)
     dst, dst_bare = make(dst_kind)
     assert load_state_dict(dst, raw).ok
-    for a, b in zip(weights(src), weights(dst_bare)):
+    for a, b in zip(weights(src), weights(dst_bare), strict=True):
         assert bitwise_equal(a, b)
 
 
@@ -633,7 +641,9 @@ def test_save_validation(tmp_path: Path) -> None:
 def test_save_checkpoint_validation(tmp_path: Path) -> None:
     raises_ours(lambda: save_checkpoint(tmp_path, model=tiny()), "is a directory")
     raises_ours(
-        lambda: save_checkpoint(tmp_path / "no" / "x.pt", model=tiny()), "does not exist", "makedirs"
+        lambda: save_checkpoint(tmp_path / "no" / "x.pt", model=tiny()),
+        "does not exist",
+        "makedirs",
     )
     raises_ours(lambda: load_checkpoint(tmp_path, model=tiny()), "is a directory")
     raises_ours(lambda: load_state_dict("model", {}), "str")  # type: ignore[arg-type]
@@ -696,4 +706,6 @@ def test_sampler_validation() -> None:
     raises_ours(lambda: s.set_epoch(-1), "-1")
     raises_ours(lambda: s.set_epoch(0, start=9), "9")
     raises_ours(lambda: s.load_state_dict({"epoch": 0}), "'epoch'")
-    raises_ours(lambda: s.load_state_dict({"epoch": 0, "position": 0, "seed": 2}), "seed=2", "seed=1")
+    raises_ours(
+        lambda: s.load_state_dict({"epoch": 0, "position": 0, "seed": 2}), "seed=2", "seed=1"
+    )

@@ -65,8 +65,12 @@ def test_sigkill_at_random_moments_never_loses_or_corrupts(tmp_path: Path) -> No
     # Warm up in the parent: the first optimizer and save import modules lazily (over a
     # second here), which forked children would otherwise each redo and be killed during.
     warm = model_at(0)
-    manager.save(0, model=warm, optimizer=torch.optim.SGD(warm.parameters(), lr=0.1),
-                 metrics={"loss": loss_at(0)})
+    manager.save(
+        0,
+        model=warm,
+        optimizer=torch.optim.SGD(warm.parameters(), lr=0.1),
+        metrics={"loss": loss_at(0)},
+    )
     finished_max = 0  # highest step whose save() returned, in any process
     temp_files_seen = 0
     child_saves = 0
@@ -118,4 +122,4 @@ def test_sigkill_at_random_moments_never_loses_or_corrupts(tmp_path: Path) -> No
     # The kills must have landed inside writes sometimes, or this test proved little.
     assert temp_files_seen >= 5, temp_files_seen
     assert child_saves >= TRIALS, f"children finished only {child_saves} saves"
-    print(f"{TRIALS} kills, {child_saves} saves finished by children, {temp_files_seen} kills mid-write")
+    print(f"{TRIALS} kills; children finished {child_saves} saves; {temp_files_seen} mid-write")

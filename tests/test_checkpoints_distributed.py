@@ -54,15 +54,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, 
         for rank in range(WORLD)
     ]
     logs = [p.communicate(timeout=240)[0].decode() for p in procs]
-    for rank, (p, log) in enumerate(zip(procs, logs)):
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
         assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
     results = [torch.load(directory / f"result-{r}.pt", weights_only=True) for r in range(WORLD)]
     return directory, results
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
 
 
@@ -132,7 +134,10 @@ def test_sharded_checkpoint_loads_into_one_unsharded_process(
 ) -> None:
     directory, results = run
     manager = CheckpointManager(directory / name)
-    assert [(r.step, r.sharded, r.sha256) for r in manager.list()] == [(0, True, None), (1, True, None)]
+    assert [(r.step, r.sharded, r.sha256) for r in manager.list()] == [
+        (0, True, None),
+        (1, True, None),
+    ]
     model = plain_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     state = manager.resume(model=model, optimizer=opt, restore_rng=False)

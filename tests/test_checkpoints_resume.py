@@ -33,24 +33,28 @@ def finish(proc: subprocess.Popen[bytes]) -> None:
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
 
 
 @pytest.mark.slow
 def test_stop_and_resume_in_fresh_processes_is_bitwise_exact(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    straight, stopped = run("straight", ckpt / "unused", TOTAL, STOP, tmp_path / "a.pt"), run(
-        "stop", ckpt, TOTAL, STOP, tmp_path / "unused.pt"
+    straight, stopped = (
+        run("straight", ckpt / "unused", TOTAL, STOP, tmp_path / "a.pt"),
+        run("stop", ckpt, TOTAL, STOP, tmp_path / "unused.pt"),
     )
     finish(straight)
     finish(stopped)
     assert not (tmp_path / "unused.pt").exists()  # the stopping run really exited early
     # The control resumes the same checkpoint without restoring the RNGs; it must diverge, so
     # the comparison below is able to fail. It only reads, so both run at once.
-    resumed, control = run("resume", ckpt, TOTAL, STOP, tmp_path / "b.pt"), run(
-        "resume-norng", ckpt, TOTAL, STOP, tmp_path / "c.pt"
+    resumed, control = (
+        run("resume", ckpt, TOTAL, STOP, tmp_path / "b.pt"),
+        run("resume-norng", ckpt, TOTAL, STOP, tmp_path / "c.pt"),
     )
     finish(resumed)
     finish(control)

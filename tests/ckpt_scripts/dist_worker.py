@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,12 @@ from autockpt.checkpoints import CheckpointManager
 
 warnings.filterwarnings("ignore")  # torch's FSDP1/ShardedTensor deprecation chatter
 
-RANK, WORLD, PORT, DIRECTORY = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+RANK, WORLD, PORT, DIRECTORY = (
+    int(sys.argv[1]),
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    Path(sys.argv[4]),
+)
 
 
 def batch(step: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +74,9 @@ def scenario_ddp(out: dict[str, Any]) -> None:
     # 2. Exact resume from a shared directory.
     shared = CheckpointManager(DIRECTORY / "ddp-shared")
     train(model, opt, range(2, 5), 6)
-    shared.save(4, model=model, optimizer=opt, sampler_state={"rank": RANK, "tensor": torch.tensor([RANK])})
+    shared.save(
+        4, model=model, optimizer=opt, sampler_state={"rank": RANK, "tensor": torch.tensor([RANK])}
+    )
     train(model, opt, range(5, 8), 6)
     out["ddp_straight"] = {k: v.clone() for k, v in model.module.state_dict().items()}
     out["ddp_straight_rand"] = torch.rand(3)
@@ -84,7 +92,9 @@ def scenario_ddp(out: dict[str, Any]) -> None:
     out["ddp_resumed_rand"] = torch.rand(3)
 
 
-def scenario_sharded(name: str, shard: Callable[[nn.Module], nn.Module], out: dict[str, Any]) -> None:
+def scenario_sharded(
+    name: str, shard: Callable[[nn.Module], nn.Module], out: dict[str, Any]
+) -> None:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
         return shard(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))

@@ -22,13 +22,21 @@ from autockpt.checkpoints import CheckpointManager, ResumableSampler
 
 
 def main() -> None:
-    mode, directory, total, stop, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    mode, directory, total, stop, out = (
+        sys.argv[1],
+        sys.argv[2],
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        sys.argv[5],
+    )
     torch.set_num_threads(1)
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
     data_gen = torch.Generator().manual_seed(123)
-    dataset = TensorDataset(torch.randn(40, 8, generator=data_gen), torch.randn(40, 1, generator=data_gen))
+    dataset = TensorDataset(
+        torch.randn(40, 8, generator=data_gen), torch.randn(40, 1, generator=data_gen)
+    )
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
@@ -57,8 +65,14 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             if mode == "stop" and step == stop - 1:
-                manager.save(step, model=model, optimizer=optimizer, scheduler=scheduler,
-                             epoch=sampler.epoch, sampler_state=sampler.state_dict())
+                manager.save(
+                    step,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    epoch=sampler.epoch,
+                    sampler_state=sampler.state_dict(),
+                )
                 sys.exit(0)
             step += 1
             if step == total:
