@@ -9,6 +9,16 @@ What a checkpoint file holds
     ``extra``) and ``"rank_tensors"`` (per rank: the torch CPU and CUDA RNG states and tensors in
     ``sampler_state``). Next to it, ``<file>.sha256`` holds its checksum in ``sha256sum`` format.
 
+Exact resume
+    Resuming restores model, optimizer, scheduler and grad-scaler state and the RNGs (Python
+    ``random``, NumPy's global RNG, torch CPU, every CUDA device), so training N steps, stopping
+    and resuming for N more gives bitwise the same parameters as 2N steps straight, provided the
+    data order resumes too: use :class:`ResumableSampler` and give the DataLoader its own
+    ``generator=torch.Generator()``. Not covered: RNGs the user keeps elsewhere (NumPy
+    ``default_rng`` objects: put their state in ``extra``), randomness inside DataLoader
+    workers, and kernels that are nondeterministic by themselves (see
+    ``torch.use_deterministic_algorithms``).
+
 Crash safety
     Every file is written to a ``.tmp-*`` file in the same directory, flushed, fsynced and
     renamed over the final name with :func:`os.replace`, then the directory is fsynced. The
@@ -745,7 +755,14 @@ class CheckpointManager:
         A missing, truncated or corrupted checkpoint (size or sha256 differs from the index)
         is skipped with a :class:`CheckpointFallbackWarning` and the next older one is used;
         :attr:`TrainingState.path` says which. If every checkpoint is damaged a
-        :class:`CheckpointError` lists why each was rejected.
+        :class:`CheckpointError` lists why each was rejected. A mismatch between the checkpoint
+        and the objects passed (other keys, shapes, parameter groups) is an error, not a
+        reason to fall back: an older checkpoint would not fit either.
+
+        The model is loaded as by :func:`load_state_dict` (``strict`` means the same), tensors
+        are read to ``map_location`` first, and ``restore_rng=False`` leaves the RNGs as they
+        are. A sharded (``.dcp``) checkpoint loads into a sharded model on the same number of
+        ranks or, resharded by DCP, into an unsharded model in one process.
 
         Example:
             >>> import tempfile, torch
