@@ -202,15 +202,13 @@ def verify_file(path: Path, *, sha256: str | None, size: int | None) -> None:
 # weights_only=True; everything else goes into one JSON string. A tensor is replaced in the JSON
 # by {"__autockpt__": "tensor", "index": i}; a tuple by {"__autockpt__": "tuple", "items": [..]}
 # so that it comes back as a tuple, not a list. Anything that would not round-trip exactly
-# (non-str dict keys, numpy scalars, arbitrary objects) is rejected at save time, naming where it
-# sits, instead of silently changing type on resume.
+# (non-str dict keys, sets, numpy arrays, arbitrary objects) is rejected at save time, naming
+# where it sits, instead of silently changing type on resume.
 
 
 def encode_tree(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
     """``value`` as JSON-able data, with tensors moved into ``tensors`` (see the NOTE)."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
+    if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
         tensors.append(value.detach())
