@@ -8,6 +8,19 @@ Example:
 """
 
 from autockpt.api import apply, plan, plan_of
+from autockpt.checkpoints import (
+    CheckpointFallbackWarning,
+    CheckpointManager,
+    CheckpointRecord,
+    CheckpointWarning,
+    LoadResult,
+    ResumableSampler,
+    ShapeMismatch,
+    TrainingState,
+    load_checkpoint,
+    load_state_dict,
+    save_checkpoint,
+)
 from autockpt.errors import (
     AutockptError,
     CheckpointError,
@@ -23,17 +36,28 @@ __version__ = "0.1.0"
 __all__ = [
     "AutockptError",
     "CheckpointError",
+    "CheckpointFallbackWarning",
+    "CheckpointManager",
+    "CheckpointRecord",
+    "CheckpointWarning",
     "InfeasibleBudgetError",
     "InvalidArgumentError",
+    "LoadResult",
     "MemoryReport",
     "Plan",
+    "ResumableSampler",
     "STRATEGIES",
     "Segment",
+    "ShapeMismatch",
     "TraceError",
+    "TrainingState",
     "__version__",
     "apply",
+    "load_checkpoint",
+    "load_state_dict",
     "measure",
     "plan",
     "plan_of",
+    "save_checkpoint",
     "track_activation_memory",
 ]
