@@ -35,7 +35,7 @@ def apply(
     example_kwargs: Mapping[str, Any] | None = None,
     plan: Plan | None = None,
     mode: str = "non_reentrant",
-    strategy: str = "greedy",
+    strategy: str = "optimal",
 ) -> nn.Module:
     """Return a module that trains like ``model`` with activation memory within ``budget_mb``.
 
@@ -55,8 +55,9 @@ def apply(
         plan: a plan from :func:`plan` to apply as it is (no budget then; the plan's mode is
             used).
         mode: ``"non_reentrant"`` (default) or ``"reentrant"`` checkpoint.
-        strategy: how segments are chosen: ``"greedy"`` (least recompute found under the
-            budget) or ``"sqrt"`` (Chen et al.'s sqrt(n) segments).
+        strategy: how segments are chosen: ``"optimal"`` (least recompute under the budget,
+            by dynamic programming), ``"greedy"`` (a fast heuristic) or ``"sqrt"`` (Chen et
+            al.'s sqrt(n) segments, whatever the budget).
 
     Example:
         >>> import torch, autockpt
@@ -106,7 +107,7 @@ def plan(
     budget_mb: float | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     mode: str = "non_reentrant",
-    strategy: str = "greedy",
+    strategy: str = "optimal",
 ) -> Plan:
     """Plan checkpoint segments for ``model`` at these inputs without changing anything.
 

@@ -13,18 +13,8 @@ and returns a :class:`Plan`. It works in three steps:
 3. **Segments.** A strategy picks ranges of consecutive stages to checkpoint, and
    :func:`estimate_peak` predicts the peak activation memory of any choice.
 
-# NOTE [ The memory model ]
-A storage is *held* for backward by every stage that saves it and is not checkpointed, and by
-every checkpointed segment that reads it as an input (checkpoint keeps its inputs for the
-recompute). Backward runs the stages in reverse; a storage is freed once the earliest stage
-that holds it is done. So while backward is at stage ``t`` the held storages whose earliest
-holder is ``<= t`` are alive. When backward reaches a checkpointed segment it recomputes the
-segment, which allocates again every storage the segment produces and saves (a second copy,
-even where the first is still held elsewhere) and the segment's outputs. On top come gradients:
-those of the tensors that cross into the stage from later stages, and a working pair (gradient
-of an op's output and of its input) of the stage's largest op. Forward is modelled the same
-way: what is held so far, what is still to be read, and the working pair. The estimate is the
-largest of these numbers; ``tests/test_budget.py`` compares it with measured peaks.
+The memory model and the optimal dynamic programme live in :mod:`autockpt.chain`; this module
+holds the strategies, the :class:`Plan` and the description of its rows.
 """
 
 from __future__ import annotations
@@ -33,20 +23,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from autockpt.chain import Chain, Ranges, build_chain, estimate_peak, optimal_ranges, recompute_cost
 from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
 from autockpt.stats import NodeStat, Profile
 
-__all__ = [
-    "Segment",
-    "Plan",
-    "Stage",
-    "Chain",
-    "build_chain",
-    "estimate_peak",
-    "make_plan",
-    "STRATEGIES",
-    "MODES",
-]
+__all__ = ["Segment", "Plan", "make_plan", "STRATEGIES", "MODES"]
 
 MODES = ("non_reentrant", "reentrant")
 
@@ -139,227 +120,6 @@ class Plan:
         return format_plan(self)
 
 
-@dataclass(frozen=True)
-class Stage:
-    """A run of graph nodes between two candidate cuts."""
-
-    start: int
-    """Position of its first node."""
-    end: int
-    """Position one past its last node."""
-    cost: int
-    """Cost of recomputing it: FLOPs plus bytes written (memory-bound ops are not free)."""
-    flops: int
-    """FLOPs of its nodes."""
-    carries_grad: bool
-    """Whether any of its nodes produces a tensor that requires grad."""
-    work_bytes: int
-    """Backward working set: for its largest gradient-carrying node, the gradients of the
-    node's output and input, or the node's forward working set if larger (a leaf module's
-    backward allocates about what its forward did)."""
-
-
-@dataclass(frozen=True)
-class _StorageRow:
-    size: int
-    producer: int  # stage
-    savers: tuple[int, ...]  # stages
-    users: tuple[int, ...]  # stages (output node excluded)
-    last_use: int  # stage; -1 if unused
-    is_output: bool
-    requires_grad: bool
-    producer_node: int
-    last_use_node: int  # the producer itself if nothing reads it
-
-
-@dataclass(frozen=True)
-class Chain:
-    """The graph as a chain of stages, with its storages expressed in stage positions."""
-
-    stages: tuple[Stage, ...]
-    storages: tuple[_StorageRow, ...]
-    grad_cross_bytes: tuple[int, ...]
-    """Per stage: bytes of gradient-carrying storages alive across its end, outputs included
-    (their gradients are alive when backward enters the stage)."""
-    node_work: tuple[int, ...]
-    """Per graph node: its forward working set in bytes."""
-
-
-# --------------------------------------------------------------------------- cut points
-
-
-def _candidate_cuts(nodes: Sequence[NodeStat]) -> list[int]:
-    """Positions ``c`` where a cut before node ``c`` is allowed and cheap."""
-    n = len(nodes)
-    last = n - 1  # the output node
-    first = 1 + max((s.index for s in nodes if s.op == "placeholder"), default=-1)
-    forbidden = [False] * (n + 1)
-    grad_count = [0] * (n + 1)
-    diff_forbid = [0] * (n + 2)
-    diff_grad = [0] * (n + 2)
-    for node in nodes:
-        if node.op in ("get_attr", "output") or not node.users:
-            continue
-        lo, hi = node.index + 1, max(node.users)  # cuts crossed by this value
-        if lo > hi:
-            continue
-        if node.output_kind == "container" and node.op != "placeholder":
-            diff_forbid[lo] += 1
-            diff_forbid[hi + 1] -= 1
-        if node.output_kind == "tensor" and node.requires_grad:
-            diff_grad[lo] += 1
-            diff_grad[hi + 1] -= 1
-        for producer in node.mutated_inputs:
-            diff_forbid[producer + 1] += 1
-            diff_forbid[node.index + 1] -= 1
-    running_forbid = running_grad = 0
-    for c in range(n + 1):
-        running_forbid += diff_forbid[c]
-        running_grad += diff_grad[c]
-        forbidden[c] = running_forbid > 0
-        grad_count[c] = running_grad
-    allowed = [c for c in range(first, last) if not forbidden[c]]
-    positive = [grad_count[c] for c in allowed if grad_count[c] > 0]
-    threshold = max(1, min(positive, default=1))
-    return [c for c in allowed if grad_count[c] <= threshold]
-
-
-def build_chain(profile: Profile) -> Chain:
-    """Split the graph into stages at the candidate cuts and restate storages per stage."""
-    nodes = profile.nodes
-    n = len(nodes)
-    cuts = [0] + [c for c in _candidate_cuts(nodes) if c > 0] + [n - 1]
-    cuts = sorted(set(cuts))
-    stage_of = [0] * n
-    stages = []
-    for s, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
-        members = nodes[lo:hi]
-        for i in range(lo, hi):
-            stage_of[i] = s
-        flops = sum(m.flops for m in members)
-        stages.append(
-            Stage(
-                start=lo,
-                end=hi,
-                cost=flops + sum(m.output_bytes for m in members),
-                flops=flops,
-                carries_grad=any(m.requires_grad for m in members),
-                work_bytes=max(
-                    (max(2 * m.output_bytes, m.work_bytes) for m in members if m.requires_grad),
-                    default=0,
-                ),
-            )
-        )
-    stage_of[n - 1] = len(stages)  # the output node sits after the last stage
-    rows = []
-    for st in profile.storages:
-        users = tuple(sorted({stage_of[u] for u in st.users if u < n - 1}))
-        rows.append(
-            _StorageRow(
-                size=st.size_bytes,
-                producer=stage_of[st.producer],
-                savers=tuple(sorted({stage_of[u] for u in st.saved_by})),
-                users=users,
-                last_use=max(users, default=-1),
-                is_output=st.is_output,
-                requires_grad=st.requires_grad,
-                producer_node=st.producer,
-                last_use_node=max([u for u in st.users if u < n - 1], default=st.producer),
-            )
-        )
-    cross = [0] * (len(stages) + 1)
-    for row in rows:
-        last = len(stages) if row.is_output else row.last_use
-        if row.requires_grad and last > row.producer:
-            for t in range(row.producer, last):
-                cross[t] += row.size
-    return Chain(
-        stages=tuple(stages),
-        storages=tuple(rows),
-        grad_cross_bytes=tuple(cross),
-        node_work=tuple(node.work_bytes for node in nodes),
-    )
-
-
-# --------------------------------------------------------------------------- memory model
-
-
-Ranges = tuple[tuple[int, int], ...]
-"""Checkpointed segments as inclusive ``(first_stage, last_stage)`` pairs, sorted, disjoint."""
-
-
-def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:
-    """Estimated peak activation bytes of one forward and backward with ``ranges``
-    checkpointed. See NOTE [ The memory model ]."""
-    count = len(chain.stages)
-    seg_start = [-1] * (count + 1)
-    seg_end = [-1] * (count + 1)
-    for a, b in ranges:
-        for t in range(a, b + 1):
-            seg_start[t] = a
-            seg_end[t] = b
-    held_from = [0] * (count + 1)  # bytes whose earliest holder is stage t
-    nodes = len(chain.node_work)
-    alive = [0] * (nodes + 1)  # bytes alive in forward, by node (difference array)
-    recompute = {a: 0 for a, _ in ranges}
-    for row in chain.storages:
-        first_holder = count + 1
-        for t in row.savers:
-            a = seg_start[t]
-            if a < 0:
-                first_holder = min(first_holder, t)
-            elif row.producer < a:
-                first_holder = min(first_holder, a)
-        for u in row.users:
-            a = seg_start[u]
-            if a >= 0 and row.producer < a:
-                first_holder = min(first_holder, a)
-        if row.is_output:
-            first_holder = 0
-        p = row.producer
-        a = seg_start[p]
-        if a >= 0:
-            b = seg_end[p]
-            saved_inside = any(t <= b for t in row.savers)
-            escapes = row.last_use > b or row.is_output
-            if saved_inside or (escapes and mode == "reentrant"):
-                recompute[a] += row.size
-        held = first_holder <= count
-        if held:
-            held_from[first_holder] += row.size
-        # In forward a storage lives from the node after its producer (the producer's own
-        # working set covers it there) to its last reader, or to the end if it is held.
-        end = nodes - 1 if held else row.last_use_node
-        if end > row.producer_node:
-            alive[row.producer_node + 1] += row.size
-            alive[end + 1] -= row.size
-    peak = 0
-    running = 0
-    for k in range(nodes):
-        running += alive[k]
-        peak = max(peak, running + chain.node_work[k])
-    live = sum(held_from)
-    t = count - 1
-    while t >= 0:
-        a = seg_start[t]
-        if a >= 0:
-            work = max(chain.stages[u].work_bytes for u in range(a, t + 1))
-            grads = max(chain.grad_cross_bytes[u] for u in range(a, t + 1))
-            peak = max(peak, live + recompute[a] + grads + work)
-            for u in range(t, a - 1, -1):
-                live -= held_from[u]
-            t = a - 1
-        else:
-            peak = max(peak, live + chain.grad_cross_bytes[t] + chain.stages[t].work_bytes)
-            live -= held_from[t]
-            t -= 1
-    return peak
-
-
-def _cost(chain: Chain, ranges: Ranges) -> int:
-    return sum(chain.stages[t].cost for a, b in ranges for t in range(a, b + 1))
-
-
 # --------------------------------------------------------------------------- strategies
 
 
@@ -380,7 +140,7 @@ def _split_balanced(chain: Chain, k: int) -> list[tuple[int, int]]:
     """Split the gradient-carrying stages into about ``k`` groups of similar cost, never
     across a stage that carries no gradient."""
     runs = _grad_runs(chain)
-    total = sum(chain.stages[t].work_bytes + 1 for a, b in runs for t in range(a, b + 1))
+    total = sum(chain.backward_work[t] + 1 for a, b in runs for t in range(a, b + 1))
     if not runs or k <= 0:
         return []
     share = total / k
@@ -388,7 +148,7 @@ def _split_balanced(chain: Chain, k: int) -> list[tuple[int, int]]:
     for a, b in runs:
         start, acc = a, 0.0
         for t in range(a, b + 1):
-            acc += chain.stages[t].work_bytes + 1
+            acc += chain.backward_work[t] + 1
             if acc >= share and t < b:
                 groups.append((start, t))
                 start, acc = t + 1, 0.0
@@ -430,11 +190,11 @@ def _moves(ranges: Ranges) -> list[Ranges]:
 
 def _refine(chain: Chain, ranges: Ranges, budget: int, mode: str) -> Ranges:
     """Greedy descent: take the move that saves the most recompute and still fits."""
-    cost = _cost(chain, ranges)
+    cost = recompute_cost(chain, ranges)
     while True:
         best = None
         for option in _moves(ranges):
-            option_cost = _cost(chain, option)
+            option_cost = recompute_cost(chain, option)
             if option_cost >= cost or (best is not None and option_cost >= best[0]):
                 continue
             if estimate_peak(chain, option, mode) <= budget:
@@ -444,37 +204,50 @@ def _refine(chain: Chain, ranges: Ranges, budget: int, mode: str) -> Ranges:
         cost, ranges = best
 
 
-Strategy = Callable[[Chain, "int | None", str], tuple[Ranges, int]]
+Strategy = Callable[[Chain, "int | None", str], "tuple[Ranges | None, int]"]
+"""``strategy(chain, budget_bytes, mode) -> (ranges or None if the budget cannot be met, least
+peak the strategy reaches)``; ``budget_bytes=None`` asks for the least peak."""
 
 
-def _choose(chain: Chain, budget: int | None, mode: str, refine: bool) -> tuple[Ranges, int]:
-    scored = [(estimate_peak(chain, r, mode), _cost(chain, r), r) for r in _candidates(chain)]
+def _greedy(chain: Chain, budget: int | None, mode: str) -> tuple[Ranges | None, int]:
+    """Plans shaped like ``checkpoint_sequential`` for many segment counts, then a descent
+    that trims or drops segments while the budget still holds."""
+    scored = [(estimate_peak(chain, r, mode), recompute_cost(chain, r), r)
+              for r in _candidates(chain)]
     min_peak = min(peak for peak, _, _ in scored)
     if budget is None:
-        _, _, ranges = min(scored, key=lambda item: (item[0], item[1]))
-        return ranges, min_peak
+        return min(scored, key=lambda item: (item[0], item[1]))[2], min_peak
     feasible = [item for item in scored if item[0] <= budget]
     if not feasible:
-        return (), min_peak
-    _, _, ranges = min(feasible, key=lambda item: (item[1], item[0]))
-    if refine:
-        ranges = _refine(chain, ranges, budget, mode)
-    return ranges, min_peak
+        return None, min_peak
+    ranges = min(feasible, key=lambda item: (item[1], item[0]))[2]
+    return _refine(chain, ranges, budget, mode), min_peak
 
 
-def _greedy(chain: Chain, budget: int | None, mode: str) -> tuple[Ranges, int]:
-    return _choose(chain, budget, mode, refine=True)
-
-
-def _sqrt(chain: Chain, budget: int | None, mode: str) -> tuple[Ranges, int]:
+def _sqrt(chain: Chain, budget: int | None, mode: str) -> tuple[Ranges | None, int]:
     """Chen et al.'s rule: about sqrt(n) equal segments, the last one left alone."""
     grad_stages = sum(b - a + 1 for a, b in _grad_runs(chain))
     groups = _split_balanced(chain, max(1, round(math.sqrt(grad_stages))))
     ranges = tuple(groups[:-1]) if len(groups) > 1 else tuple(groups)
-    return ranges, estimate_peak(chain, ranges, mode)
+    peak = estimate_peak(chain, ranges, mode)
+    return (ranges if budget is None or peak <= budget else None), peak
 
 
-STRATEGIES: dict[str, Strategy] = {"greedy": _greedy, "sqrt": _sqrt}
+def _optimal(chain: Chain, budget: int | None, mode: str) -> tuple[Ranges | None, int]:
+    """The least recompute under the budget, exactly, for the memory model of
+    :mod:`autockpt.chain` (a dynamic programme over the chain)."""
+    least = optimal_ranges(chain, None, mode)
+    assert least is not None  # checkpointing nothing is always a choice
+    least_ranges, min_peak = least
+    if budget is None:
+        return least_ranges, min_peak
+    if budget < min_peak:
+        return None, min_peak
+    found = optimal_ranges(chain, budget, mode)
+    return (found[0] if found is not None else None), min_peak
+
+
+STRATEGIES: dict[str, Strategy] = {"optimal": _optimal, "greedy": _greedy, "sqrt": _sqrt}
 """Segment-choosing strategies by name."""
 
 
@@ -485,7 +258,7 @@ def make_plan(
     profile: Profile,
     budget_bytes: int | None,
     *,
-    strategy: str = "greedy",
+    strategy: str = "optimal",
     mode: str = "non_reentrant",
     model: str = "",
 ) -> Plan:
@@ -513,21 +286,18 @@ def make_plan(
         raise InvalidArgumentError("the profile has no nodes to plan")
     chain = build_chain(profile)
     baseline = estimate_peak(chain, (), mode)
+    ranges, min_peak = STRATEGIES[strategy](chain, budget_bytes, mode)
     if budget_bytes is not None and baseline <= budget_bytes and strategy != "sqrt":
-        ranges, min_peak = (), None
-    else:
-        ranges, min_peak = STRATEGIES[strategy](chain, budget_bytes, mode)
-    estimated = estimate_peak(chain, ranges, mode)
-    if budget_bytes is not None and estimated > budget_bytes:
-        floor = min_peak if min_peak is not None else estimated
+        ranges = ()  # nothing to recompute when the budget is met as it is
+    if ranges is None:
+        assert budget_bytes is not None
         raise InfeasibleBudgetError(
-            f"{model or 'the model'} needs at least {_mib(floor)} of activation memory at "
+            f"{model or 'the model'} needs at least {_mib(min_peak)} of activation memory at "
             f"inputs ({profile.input_signature}); the budget is {_mib(budget_bytes)}",
             budget_bytes=budget_bytes,
-            min_feasible_bytes=floor,
+            min_feasible_bytes=min_peak,
         )
-    if min_peak is None:
-        min_peak = min(estimate_peak(chain, r, mode) for r in _candidates(chain))
+    estimated = estimate_peak(chain, ranges, mode)
     segments, skipped = _describe(profile, chain, ranges, mode, budget_bytes)
     notes = []
     if not ranges:

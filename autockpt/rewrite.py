@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from autockpt.errors import AutockptError
 from autockpt.planner import Plan, Segment
 
 __all__ = ["SegmentProgram", "Program", "rewrite", "graph_fingerprint", "RUN_METHOD"]
@@ -132,6 +133,12 @@ def rewrite(
             continue
         index, seg = starts[position]
         members = nodes[seg.start : seg.end]
+        if any(m.op in ("placeholder", "output") for m in members):
+            raise AutockptError(
+                f"internal error: segment {index} of the plan covers the graph's inputs or "
+                "output",
+                fix="please report this with the model; pass strategy='sqrt' meanwhile",
+            )
         inside = set(members)
         inputs: list[fx.Node] = []
         for member in members:

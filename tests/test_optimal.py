@@ -1,0 +1,135 @@
+"""The optimal strategy is optimal: on chains small enough to enumerate every choice of
+checkpointed ranges, its recompute cost equals the brute-force optimum under the same budget,
+and at ``budget=None`` its peak equals the least reachable peak."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from autockpt.chain import Chain, Ranges, Stage, build_chain, estimate_peak, optimal_ranges
+from autockpt.chain import recompute_cost
+from autockpt.profile import profile
+from autockpt.trace import trace
+
+
+def all_ranges(chain: Chain) -> Iterator[Ranges]:
+    """Every set of disjoint ranges of consecutive gradient-carrying stages."""
+    count = len(chain.stages)
+
+    def walk(t: int, acc: tuple[tuple[int, int], ...]) -> Iterator[Ranges]:
+        if t >= count:
+            yield acc
+            return
+        yield from walk(t + 1, acc)  # stage t not checkpointed
+        b = t
+        while b < count and chain.stages[b].carries_grad:
+            yield from walk(b + 1, acc + ((t, b),))
+            b += 1
+
+    yield from walk(0, ())
+
+
+def brute_force(chain: Chain, budget: int | None, mode: str) -> tuple[int, int] | None:
+    """(least cost, its peak) under the budget, or (least peak, least cost at it)."""
+    scored = [(estimate_peak(chain, r, mode), recompute_cost(chain, r)) for r in all_ranges(chain)]
+    if budget is None:
+        peak = min(p for p, _ in scored)
+        return min(c for p, c in scored if p == peak), peak
+    feasible = [(c, p) for p, c in scored if p <= budget]
+    return min(feasible) if feasible else None
+
+
+def random_chain(rng: random.Random, count: int) -> Chain:
+    def ints(n: int, hi: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(0, hi) for _ in range(n))
+
+    stages = tuple(
+        Stage(start=t, end=t + 1, cost=rng.randrange(1, 100), flops=0,
+              carries_grad=t > 0 and rng.random() > 0.1)
+        for t in range(count)
+    )
+    # Nothing crosses before the first stage or after the last one.
+    cross = [(0, *ints(count - 1, 50), 0) for _ in range(4)]
+    return Chain(
+        stages=stages,
+        internal_saved=ints(count, 200),
+        cross_prev=cross[0], cross_next=cross[1], cross_both=cross[2], cross_none=cross[3],
+        long_held=ints(count, 20), long_saved=ints(count, 20), output_bytes=(0,) * (count - 1)
+        + (rng.randrange(1, 30),),
+        grad_cross=ints(count, 60), backward_work=ints(count, 80),
+        forward_plain=ints(count, 300), forward_ckpt=ints(count, 100),
+    )
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("seed", range(12))
+def test_optimal_matches_brute_force_on_random_chains(seed: int, mode: str) -> None:
+    rng = random.Random(seed)
+    chain = random_chain(rng, count=rng.randrange(3, 10))
+    baseline = estimate_peak(chain, (), mode)
+    least = brute_force(chain, None, mode)
+    assert least is not None
+    found = optimal_ranges(chain, None, mode)
+    assert found is not None
+    ranges, peak = found
+    assert peak == least[1] == estimate_peak(chain, ranges, mode)
+    assert recompute_cost(chain, ranges) == least[0]
+    for budget in sorted({least[1], baseline, (least[1] + baseline) // 2,
+                          rng.randrange(least[1], baseline + 1), least[1] - 1}):
+        expected = brute_force(chain, budget, mode)
+        result = optimal_ranges(chain, budget, mode)
+        if expected is None:
+            assert result is None, f"budget {budget} cannot be met, but a plan was returned"
+            continue
+        assert result is not None, f"budget {budget}: brute force found a plan"
+        ranges, peak = result
+        assert peak <= budget
+        assert recompute_cost(chain, ranges) == expected[0]
+
+
+def _profiled_chain(model: nn.Module, x: torch.Tensor) -> Chain:
+    traced = trace(model, (x,))
+    name = traced.spec.param_names[0]
+    return build_chain(profile(traced, {name: x}))
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_optimal_matches_brute_force_on_profiled_models(mode: str) -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU())])
+    convs = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(8 * 8 * 8, 10),
+    )
+    for model, x in ((mlp, torch.randn(16, 64)), (convs, torch.randn(4, 3, 16, 16))):
+        chain = _profiled_chain(model, x)
+        assert 3 <= len(chain.stages) <= 12
+        baseline = estimate_peak(chain, (), mode)
+        least = brute_force(chain, None, mode)
+        assert least is not None
+        for budget in (None, least[1], (least[1] + baseline) // 2, baseline):
+            expected = brute_force(chain, budget, mode)
+            result = optimal_ranges(chain, budget, mode)
+            assert expected is not None and result is not None
+            assert recompute_cost(chain, result[0]) == expected[0]
+
+
+def test_long_chains_are_coarsened_and_still_planned_quickly() -> None:
+    import time
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(200) for m in (nn.Linear(32, 32), nn.ReLU())])
+    x = torch.randn(8, 32)
+    chain = _profiled_chain(model, x)
+    assert len(chain.stages) <= 64
+    start = time.perf_counter()
+    baseline = estimate_peak(chain, ())
+    for budget in (None, baseline // 2, (3 * baseline) // 4):
+        assert optimal_ranges(chain, budget) is not None
+    assert time.perf_counter() - start < 5.0
