@@ -92,8 +92,9 @@ class Chain:
     """Per stage: gradient bytes alive when backward enters it (of tensors crossing its end,
     the model's output included)."""
     backward_work: tuple[int, ...]
-    """Per stage: working set of its backward (gradients of its largest op's output and
-    input, or the op's forward working set if larger)."""
+    """Per stage: working set of its backward: for its largest op, the gradients of the op's
+    inputs (and of its output, if that comes from inside the stage), or the op's forward
+    working set beyond what it saves, if larger (a leaf module's internals)."""
     forward_plain: tuple[int, ...]
     """Per stage: its forward peak over what it receives, when not checkpointed."""
     forward_ckpt: tuple[int, ...]
@@ -243,10 +244,39 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
         if st.requires_grad:
             for t in range(p, min(last_stage, count)):
                 grad_cross[t] += size
+    # What a node saves of its own making is already in the held or recomputed bytes; the
+    # rest of its forward working set is what its backward is assumed to allocate again.
+    # A node's backward allocates the gradients of its inputs; the gradient of its output is
+    # counted in ``grad_cross`` when it comes from a later stage, and here when it does not.
+    # A tensor read by several nodes of one stage has its gradient accumulated there: the
+    # first partial gradient stays alive while the other readers' backward runs.
+    own_saved = [0] * n
+    grad_in = [0] * n
+    fan_out = [0] * count
+    for st in profile.storages:
+        if st.producer in st.saved_by:
+            own_saved[st.producer] += st.size_bytes
+        if st.requires_grad:
+            readers = [u for u in st.users if u < n - 1]
+            for u in readers:
+                grad_in[u] += st.size_bytes
+            per_stage: dict[int, int] = {}
+            for u in readers:
+                per_stage[stage_of[u]] = per_stage.get(stage_of[u], 0) + 1
+            for s, readers_in_stage in per_stage.items():
+                if readers_in_stage > 1:
+                    fan_out[s] += st.size_bytes
     work = [0] * count
     for s, stage in enumerate(stages):
-        work[s] = max((max(2 * m.output_bytes, m.work_bytes)
-                       for m in nodes[stage.start:stage.end] if m.requires_grad), default=0)
+        work[s] = fan_out[s] + max(
+            (
+                max(grad_in[m.index] + (m.output_bytes if m.index < stage.end - 1 else 0),
+                    m.work_bytes - own_saved[m.index])
+                for m in nodes[stage.start:stage.end]
+                if m.requires_grad
+            ),
+            default=0,
+        )
     forward_plain = [_sweep(nodes, stage, held_plain[s]) for s, stage in enumerate(stages)]
     forward_ckpt = [_sweep(nodes, stage, held_ckpt[s]) for s, stage in enumerate(stages)]
     return Chain(
@@ -313,22 +343,31 @@ class _Model:
         backward = after + self.base + c.grad_cross[t] + c.backward_work[t]
         return max(forward, backward), after
 
-    def segment(self, a: int, b: int, before: int, held: int, inputs: int) -> tuple[int, int]:
-        """Stages ``a..b`` checkpointed: the backward peak, and the held bytes after it.
+    def segment(self, a: int, b: int, before: int, held: int, inputs: int
+                ) -> tuple[int, int, int]:
+        """Stages ``a..b`` checkpointed: the backward peak, the held bytes after it, and a
+        lower bound of the peak that never decreases as ``b`` grows.
 
         ``inputs`` is what ``a`` newly holds of the tensors crossing into it."""
         c = self.chain
         after = held + inputs + self.long_held[b + 1] - self.long_held[a]
         recompute = (self.internal[b + 1] - self.internal[a]
                      + self.cross_saved[b + 1] - self.cross_saved[a + 1]
-                     + c.cross_prev[b + 1] + c.cross_both[b + 1]
                      + self.long_saved[b + 1] - self.long_saved[a])
+        # What crosses out at b + 1 depends on where the segment ends, not on its length.
+        boundary = c.cross_prev[b + 1] + c.cross_both[b + 1]
         if self.reentrant:
-            recompute += (c.cross_next[b + 1] + c.cross_none[b + 1]
-                          + self.unsaved_escape[b + 1] - self.unsaved_escape[a])
+            # Reentrant backward re-runs the segment to its outputs and runs a backward of its
+            # own through them: the recomputed outputs, their incoming gradients (accumulated
+            # from every reader) and the gradients it hands on are alive at once, and its
+            # detached inputs get a .grad of their own before it is handed on.
+            recompute += (3 * (self.unsaved_escape[b + 1] - self.unsaved_escape[a])
+                          + c.crossing(a))
+            boundary = 3 * c.crossing(b + 1) - boundary
         grads = max(c.grad_cross[a:b + 1])
         work = max(c.backward_work[a:b + 1])
-        return after + self.base + recompute + grads + work, after
+        lower = after + self.base + recompute + grads + work
+        return lower + boundary, after, lower
 
     def segment_inputs(self, a: int, before: int) -> int:
         c = self.chain
@@ -369,7 +408,7 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
             inputs = model.segment_inputs(t, before)
             for u in range(t, b + 1):
                 peak = max(peak, model.segment_forward(t, u, held, inputs))
-            value, held = model.segment(t, b, before, held, inputs)
+            value, held, _ = model.segment(t, b, before, held, inputs)
             before, t = _CKPT, b + 1
         else:
             value, held = model.plain(t, before, held)
@@ -479,13 +518,15 @@ def _solve(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool
                     break
                 forward0 = max(forward0, model.segment_forward(i, b, 0, inputs))
                 cost += chain.stages[b].cost
-                value0, after0 = model.segment(i, b, before, 0, inputs)
+                value0, after0, lower0 = model.segment(i, b, before, 0, inputs)
                 value0 = max(value0, forward0)
                 if limit is not None:
+                    if entries[0][0] + max(lower0, forward0) > limit:
+                        break  # the lower bound only grows with b: longer segments fail too
                     room = limit - value0
                     fit = [e for e in entries if e[0] <= room]
                     if not fit:
-                        break  # every term grows with b: longer segments do not fit either
+                        continue
                 else:
                     fit = entries
                 block = (i, b)

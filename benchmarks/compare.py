@@ -1,0 +1,275 @@
+"""autockpt against every alternative, side by side, in one run.
+
+For each model and method: peak activation memory (measured with ``autockpt.measure``), the
+step time as a ratio to no checkpointing (median of ``--repeat`` steps after a warm-up), the
+backward FLOPs as a ratio to no checkpointing (``FlopCounterMode``: what is recomputed), and
+the time autockpt took to plan. autockpt is asked, for each alternative, for the memory that
+alternative measured, so each pair can be compared at equal or lower memory.
+
+    python benchmarks/compare.py                       # mlp72, gpt, vit (+ resnet50 if torchvision imports)
+    python benchmarks/compare.py --models mlp72 --repeat 3 --json out.json --plot-dir out/
+    python benchmarks/compare.py --compile             # adds torch.compile with a memory budget
+
+Timings on a shared machine are noisy: compare ratios taken in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import autockpt  # noqa: E402
+from autockpt.report import format_table  # noqa: E402
+from models import MODELS, Blocks, sqrt_segments  # noqa: E402
+
+MIB = 2**20
+
+
+@dataclass
+class Row:
+    """One method on one model."""
+
+    model: str
+    method: str
+    peak_activation_mib: float | None
+    step_ms: float
+    time_ratio: float
+    backward_flops_ratio: float | None
+    plan_seconds: float | None = None
+    matched_to: str | None = None
+    note: str = ""
+
+
+def _backward_flops(model: nn.Module, x: torch.Tensor) -> int:
+    model.train()
+    loss = model(x).float().sum()
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def _alternatives(base: Blocks, compile_budgets: bool) -> list[tuple[str, nn.Module, str]]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    out: list[tuple[str, nn.Module, str]] = [("no checkpointing", base, "")]
+    every = copy.deepcopy(base)
+    every.every = 1
+    out.append(("every block (HF/timm style)", every, ""))
+    second = copy.deepcopy(base)
+    second.every = 2
+    out.append(("every 2nd block", second, ""))
+    seq = copy.deepcopy(base)
+    seq.segments = sqrt_segments(seq)
+    out.append((f"checkpoint_sequential({seq.segments})", seq, ""))
+    wrapped = copy.deepcopy(base)
+    blocks = set(wrapped.blocks)
+    apply_activation_checkpointing(
+        wrapped,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(
+            m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: m in blocks,
+    )
+    out.append(("apply_activation_checkpointing", wrapped, ""))
+    if compile_budgets:
+        for budget in (0.5, 0.1):
+            out.append((f"torch.compile(memory budget {budget})", _compiled(base, budget),
+                        "memory inside compiled code is not visible to the CPU tracker"))
+    return out
+
+
+def _compiled(base: Blocks, budget: float) -> nn.Module:
+    import torch._functorch.config as functorch_config
+
+    model = copy.deepcopy(base)
+    compiled = torch.compile(model)
+
+    class Budgeted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = compiled
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with functorch_config.patch(activation_memory_budget=budget):
+                return self.inner(x)
+
+    return Budgeted()
+
+
+def run_model(name: str, repeat: int, compile_budgets: bool) -> list[Row]:
+    spec = MODELS[name]
+    base = spec.build()
+    x = spec.batch()
+    rows: list[Row] = []
+    reference: dict[str, float] = {}
+
+    def record(method: str, model: nn.Module, *, plan_seconds: float | None = None,
+               matched_to: str | None = None, note: str = "", memory: bool = True) -> Row:
+        report = autockpt.measure(model, (x,), warmup=1, repeat=repeat)
+        flops = None if not memory else _backward_flops(model, x)
+        if not reference:
+            reference["seconds"], reference["flops"] = report.step_seconds, float(flops or 1)
+        row = Row(
+            model=name, method=method,
+            peak_activation_mib=report.peak_activation_bytes / MIB if memory else None,
+            step_ms=report.step_seconds * 1000,
+            time_ratio=report.step_seconds / reference["seconds"],
+            backward_flops_ratio=None if flops is None else flops / reference["flops"],
+            plan_seconds=plan_seconds, matched_to=matched_to, note=note,
+        )
+        rows.append(row)
+        print(f"  {name:9s} {method:40s} peak {row.peak_activation_mib or float('nan'):8.2f} MiB"
+              f"  time x{row.time_ratio:.2f}", flush=True)
+        return row
+
+    alternatives = _alternatives(base, compile_budgets)
+    measured = []
+    for method, model, note in alternatives:
+        is_compiled = method.startswith("torch.compile")
+        row = record(method, model, note=note, memory=not is_compiled)
+        if not is_compiled:
+            measured.append(row)
+    for row in measured:
+        target = row.peak_activation_mib
+        assert target is not None
+        start = time.perf_counter()
+        try:
+            ckpt = autockpt.apply(copy.deepcopy(base), budget_mb=target, example_inputs=(x,))
+        except autockpt.InfeasibleBudgetError as err:
+            rows.append(Row(model=name, method="autockpt", peak_activation_mib=None, step_ms=0.0,
+                            time_ratio=float("nan"), backward_flops_ratio=None,
+                            matched_to=row.method,
+                            note=f"infeasible: least reachable "
+                                 f"{err.min_feasible_bytes / MIB:.2f} MiB"))
+            continue
+        seconds = time.perf_counter() - start
+        plan = autockpt.plan_of(ckpt)
+        record(f"autockpt (budget {target:.2f} MiB)", ckpt, plan_seconds=seconds,
+               matched_to=row.method, note=f"{len(plan.segments)} segments")
+    return rows
+
+
+def verdicts(rows: list[Row]) -> list[str]:
+    """For each alternative: does autockpt, at the same or lower memory, recompute no more
+    and run no slower?"""
+    out = []
+    for row in rows:
+        if row.matched_to is None or row.method == "autockpt":
+            continue
+        alt = next(r for r in rows if r.model == row.model and r.method == row.matched_to)
+        if row.peak_activation_mib is None or alt.peak_activation_mib is None:
+            continue
+        memory_ok = row.peak_activation_mib <= alt.peak_activation_mib * 1.001
+        flops_ok = (row.backward_flops_ratio or 0) <= (alt.backward_flops_ratio or 0) + 1e-9
+        time_ok = row.time_ratio <= alt.time_ratio
+        out.append(
+            f"{row.model}: vs {alt.method}: memory {'<=' if memory_ok else '>'}, "
+            f"recompute {'<=' if flops_ok else '>'}, time {'<=' if time_ok else '>'} "
+            f"({row.peak_activation_mib:.2f} vs {alt.peak_activation_mib:.2f} MiB, "
+            f"FLOPs x{row.backward_flops_ratio:.2f} vs x{alt.backward_flops_ratio:.2f}, "
+            f"time x{row.time_ratio:.2f} vs x{alt.time_ratio:.2f})"
+        )
+    return out
+
+
+def plot(rows: list[Row], directory: Path) -> list[Path]:
+    """Memory against time ratio per model, one PNG each (matplotlib needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for model in sorted({r.model for r in rows}):
+        mine = [r for r in rows if r.model == model and r.peak_activation_mib is not None]
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+        for r in mine:
+            is_ours = r.method.startswith("autockpt")
+            ax.scatter(r.time_ratio, r.peak_activation_mib, marker="o" if is_ours else "s",
+                       color="tab:blue" if is_ours else "tab:gray", zorder=3)
+            if not is_ours:
+                ax.annotate(r.method, (r.time_ratio, r.peak_activation_mib), fontsize=7,
+                            xytext=(4, 4), textcoords="offset points")
+        ours = sorted((r for r in mine if r.method.startswith("autockpt")),
+                      key=lambda r: r.peak_activation_mib or 0)
+        ax.plot([r.time_ratio for r in ours], [r.peak_activation_mib for r in ours],
+                color="tab:blue", label="autockpt at matched budgets")
+        ax.set_xlabel("step time / no checkpointing")
+        ax.set_ylabel("peak activation memory (MiB, measured)")
+        ax.set_title(f"{model}: memory vs time")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+        path = directory / f"pareto_{model}.png"
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default = [m for m in MODELS if m != "resnet50"]
+    try:
+        import torchvision  # noqa: F401
+
+        default.append("resnet50")
+    except Exception:  # torchvision missing or built for another torch
+        pass
+    parser.add_argument("--models", default=",".join(default),
+                        help=f"comma-separated, from: {', '.join(MODELS)}")
+    parser.add_argument("--repeat", type=int, default=5, help="timed steps per method")
+    parser.add_argument("--compile", action="store_true",
+                        help="add torch.compile with activation_memory_budget 0.5 and 0.1")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--plot-dir", type=Path, help="write a Pareto PNG per model here")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    rows: list[Row] = []
+    for name in names:
+        print(f"{name}:", flush=True)
+        rows += run_model(name, args.repeat, args.compile)
+    table = [[r.model, r.method,
+              "-" if r.peak_activation_mib is None else f"{r.peak_activation_mib:.2f}",
+              f"{r.time_ratio:.2f}",
+              "-" if r.backward_flops_ratio is None else f"{r.backward_flops_ratio:.2f}",
+              "" if r.plan_seconds is None else f"{r.plan_seconds:.2f}",
+              r.note] for r in rows]
+    print()
+    print(format_table(["model", "method", "peak MiB", "time x", "bwd FLOPs x", "plan s", "note"],
+                       table, right=[False, False, True, True, True, True, False]))
+    print()
+    for line in verdicts(rows):
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps(
+            {"torch": torch.__version__, "device": "cpu", "threads": torch.get_num_threads(),
+             "rows": [asdict(r) for r in rows]}, indent=2))
+    if args.plot_dir:
+        for path in plot(rows, args.plot_dir):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Benchmark models, built offline from code (no weights).
+
+Every model is a :class:`Blocks` model: ``pre`` (stem or embedding), a list of ``blocks`` that
+each take and return one tensor, and ``post`` (head). That is the shape hand-written
+checkpointing needs, so each alternative can be applied the way users apply it:
+
+* ``every``: ``checkpoint(block, x, use_reentrant=False)`` around every ``every``-th block,
+  as Hugging Face's and timm's ``gradient_checkpointing`` do for every block;
+* ``sequential``: ``checkpoint_sequential`` over the blocks with a number of segments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+
+class Blocks(nn.Module):
+    """``post(blocks(pre(x)))``, with optional hand-written checkpointing of the blocks."""
+
+    def __init__(self, pre: nn.Module, blocks: list[nn.Module], post: nn.Module) -> None:
+        super().__init__()
+        self.pre = pre
+        self.blocks = nn.ModuleList(blocks)
+        self.post = post
+        self.every = 0  # checkpoint every n-th block (0: none)
+        self.segments = 0  # checkpoint_sequential segments (0: none)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pre(x)
+        if self.segments:
+            x = checkpoint_sequential(nn.Sequential(*self.blocks), self.segments, x,
+                                      use_reentrant=False)
+        else:
+            for i, block in enumerate(self.blocks):
+                if self.every and i % self.every == 0 and self.training:
+                    x = checkpoint(block, x, use_reentrant=False)
+                else:
+                    x = block(x)
+        return self.post(x)
+
+
+def mlp72() -> Blocks:
+    """The classic: 71 ``Linear(1000, 1000)`` + ReLU layers and a ``Linear(1000, 100)``."""
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(1000, 1000), nn.ReLU())
+                               for _ in range(71)]
+    return Blocks(nn.Identity(), blocks, nn.Linear(1000, 100))
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, causal: bool) -> None:
+        super().__init__()
+        self.heads = heads
+        self.causal = causal
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(
+            2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer block: attention and a 4x GELU MLP, both residual."""
+
+    def __init__(self, dim: int, heads: int, causal: bool) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = _Attention(dim, heads, causal)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _TokenEmbedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, length: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Parameter(torch.zeros(1, length, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions[:, : ids.shape[1]]
+
+
+def gpt(layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 2048, length: int = 128
+        ) -> Blocks:
+    """A GPT-style decoder: token and position embeddings, causal blocks, tied-free LM head."""
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [TransformerBlock(dim, heads, causal=True) for _ in range(layers)]
+    return Blocks(_TokenEmbedding(vocab, dim, length), blocks,
+                  nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab)))
+
+
+class _Patches(nn.Module):
+    def __init__(self, image: int, patch: int, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, patch, stride=patch)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        self.positions = nn.Parameter(torch.zeros(1, (image // patch) ** 2 + 1, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        return x + self.positions
+
+
+class _ClassHead(nn.Module):
+    def __init__(self, dim: int, classes: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x[:, 0]))
+
+
+def vit(layers: int = 12, dim: int = 192, heads: int = 3, image: int = 64, patch: int = 8
+        ) -> Blocks:
+    """A ViT with ViT-Tiny's width and depth (192, 12 blocks, 3 heads) on 64x64 images."""
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [TransformerBlock(dim, heads, causal=False) for _ in range(layers)]
+    return Blocks(_Patches(image, patch, dim), blocks, _ClassHead(dim, 100))
+
+
+def resnet50() -> Blocks:
+    """torchvision's ResNet-50 (no weights), its 16 bottlenecks as the blocks."""
+    import torchvision  # optional: needs a torch that torchvision's build matches
+
+    torch.manual_seed(0)
+    net = torchvision.models.resnet50(weights=None)
+    pre = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
+    blocks = [b for layer in (net.layer1, net.layer2, net.layer3, net.layer4) for b in layer]
+    return Blocks(pre, blocks, nn.Sequential(net.avgpool, nn.Flatten(), net.fc))
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A benchmark model and the batch it is measured with."""
+
+    name: str
+    build: Callable[[], Blocks]
+    batch: Callable[[], torch.Tensor]
+
+
+MODELS: dict[str, BenchModel] = {
+    "mlp72": BenchModel("mlp72", mlp72, lambda: torch.randn(16, 1000)),
+    "gpt": BenchModel("gpt", gpt, lambda: torch.randint(0, 2048, (8, 128))),
+    "vit": BenchModel("vit", vit, lambda: torch.randn(16, 3, 64, 64)),
+    "resnet50": BenchModel("resnet50", resnet50, lambda: torch.randn(8, 3, 128, 128)),
+}
+
+
+def sqrt_segments(model: Blocks) -> int:
+    """Chen et al.'s sqrt(n) segments for ``checkpoint_sequential``."""
+    return max(2, round(math.sqrt(len(model.blocks))))
