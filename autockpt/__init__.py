@@ -17,6 +17,7 @@ from autockpt.errors import (
 )
 from autockpt.measure import MemoryReport, measure, track_activation_memory
 from autockpt.planner import STRATEGIES, Plan, Segment
+from autockpt.plot import MemoryCurves, draw_memory, memory_curves, plot_memory
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "InfeasibleBudgetError",
     "InvalidArgumentError",
+    "MemoryCurves",
     "MemoryReport",
     "Plan",
     "STRATEGIES",
@@ -32,8 +34,11 @@ __all__ = [
     "TraceError",
     "__version__",
     "apply",
+    "draw_memory",
     "measure",
+    "memory_curves",
     "plan",
     "plan_of",
+    "plot_memory",
     "track_activation_memory",
 ]
