@@ -433,9 +433,15 @@ class Ui:
 
         table = Table(show_edge=False, header_style="bold", pad_edge=False)
         align = list(right) + [False] * (len(header) - len(right))
-        for name, is_right in zip(header, align):
+        widths = [max([len(name), *(len(row[i]) for row in rows)])
+                  for i, name in enumerate(header)]
+        # Numbers don't wrap when the terminal is wide enough for them and some of the last
+        # column (notes); on a narrow one everything wraps rather than a column vanishing.
+        roomy = sum(widths[:-1]) + 3 * len(widths) + 16 <= self._console.width
+        for i, (name, is_right) in enumerate(zip(header, align)):
+            last = i == len(header) - 1
             table.add_column(name, justify="right" if is_right else "left",
-                             overflow="fold")
+                             no_wrap=roomy and not last, overflow="fold")
         row_styles = list(styles) + [None] * (len(rows) - len(styles))
         for row, style in zip(rows, row_styles):
             table.add_row(*row, style=style)
@@ -649,6 +655,10 @@ def _measure_all(models: Sequence[nn.Module], session: Session, steps: int,
             for r, t in zip(reports, times)]
 
 
+def _rounds(count: int) -> str:
+    return f"{count} round{'s' * (count != 1)}"
+
+
 def _report_json(report: MemoryReport) -> dict[str, Any]:
     return {
         "peak_activation_bytes": report.peak_activation_bytes,
@@ -715,7 +725,7 @@ def _plan_command(args: argparse.Namespace, ui: Ui) -> int:
     _print_plan(ui, plan)
     ui.text()
     ui.text(f"measured on {before.device} (autockpt.measure: one forward + backward, "
-            f"median step time of {args.steps} interleaved rounds)")
+            f"median step time of {_rounds(args.steps)}, interleaved)")
     change = after.peak_activation_bytes / before.peak_activation_bytes - 1 \
         if before.peak_activation_bytes else 0.0
     ratio = after.step_seconds / before.step_seconds if before.step_seconds else math.nan
@@ -805,7 +815,7 @@ def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
             f"{args.strategy}, on {before.device}")
     ui.text(f"  without autockpt: estimated {format_bytes(baseline)}, measured "
             f"{format_bytes(before.peak_activation_bytes)}, step "
-            f"{_format_seconds(before.step_seconds)} (median of {args.steps} rounds)")
+            f"{_format_seconds(before.step_seconds)} (median of {_rounds(args.steps)})")
     ui.text()
     table, styles = [], []
     for row in rows:

@@ -145,8 +145,8 @@ def memory_curves(
         >>> curves.checkpointed_peak_bytes == autockpt.measure(
         ...     autockpt.apply(net, plan=curves.plan), (x,)).peak_activation_bytes
         True
-        >>> [s.phase for s in curves.spans][:2]
-        ['forward', 'forward']
+        >>> sorted({s.phase for s in curves.spans})
+        ['backward', 'forward']
 
     Raises:
         InvalidArgumentError: bad arguments (a module already returned by ``apply``, both a
