@@ -61,12 +61,14 @@ __all__ = [
     "InputSpec",
     "Session",
     "Ui",
+    "build_parser",
     "load_model",
     "load_session",
     "main",
     "model_arguments",
     "parse_budget_percent",
     "parse_inputs",
+    "plan_json",
     "planning_arguments",
     "subcommand",
 ]
@@ -408,7 +410,7 @@ class Ui:
         self.err = err
         rich_ok = importlib.util.find_spec("rich") is not None
         if fancy is None:
-            fancy = rich_ok and _isatty(out) and "NO_COLOR" not in os.environ
+            fancy = rich_ok and _isatty(out)  # rich itself honours NO_COLOR
         self.fancy = fancy and rich_ok
         self._console: Any = None
         if self.fancy:

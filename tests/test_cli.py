@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ MLP_INPUT = "8x128"
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> object:
+def one_thread() -> Iterator[None]:
     """In-process runs use one thread too (see run_cli), restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -159,7 +160,8 @@ def test_bench_json() -> None:
 
 ERRORS = {
     "module missing": (["plan", "no_such_package.models:make", "--input", "2x3"],
-                       ["cannot import 'no_such_package.models'", "no module named 'no_such_package'"]),
+                       ["cannot import 'no_such_package.models'",
+                        "no module named 'no_such_package'"]),
     "factory missing": (["plan", "tests.cli_models:nope", "--input", "2x3"],
                         ["has no 'nope'", "found: ", "mlp"]),
     "not a module": (["plan", "tests.cli_models:not_a_module", "--input", "2x3"],

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> object:
+def one_thread() -> Iterator[None]:
     """One thread: steadier and faster on a shared machine; restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -98,6 +99,16 @@ def test_reentrant_curves_and_a_given_plan() -> None:
     assert {s.phase for s in result.spans} == {"forward", "backward"}
     assert result.checkpointed_peak_bytes == autockpt.measure(
         autockpt.apply(model, plan=plan), (ids,)).peak_activation_bytes
+
+
+def test_a_plan_without_segments_draws_without_bands(tmp_path: Path) -> None:
+    model = cli_models.mlp()
+    x = torch.randn(8, 128)
+    result = autockpt.memory_curves(model, (x,), budget_mb=100)
+    assert result.plan.segments == () and result.spans == ()
+    assert result.checkpointed_peak_bytes == result.baseline_peak_bytes
+    figure = autockpt.draw_memory(result, tmp_path / "flat.png")
+    assert "0 checkpointed segments" in figure.axes[0].get_title()
 
 
 def test_bad_arguments() -> None:
