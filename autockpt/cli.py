@@ -181,10 +181,16 @@ def _parse_percent_list(text: str) -> list[float]:
 
 @dataclass(frozen=True)
 class _ModelSpec:
+    """The MODEL argument, taken apart."""
+
     text: str
+    """As given."""
     source: str
+    """The module name or the file path before the last colon."""
     attribute: str
+    """The factory's name (dotted for a nested attribute)."""
     is_path: bool
+    """Whether ``source`` is a file rather than a module name."""
 
 
 def _parse_model_spec(text: str) -> _ModelSpec:
@@ -497,10 +503,16 @@ def _print_plan(ui: Ui, plan: Plan) -> None:
 
 @dataclass(frozen=True)
 class _Subcommand:
+    """A registered ``autockpt NAME``."""
+
     name: str
+    """What users type."""
     help: str
+    """One line for ``--help``."""
     arguments: tuple[Callable[[argparse.ArgumentParser], None], ...]
+    """Functions that add its arguments to its parser."""
     run: Callable[[argparse.Namespace, Ui], int]
+    """Runs it; returns the exit status."""
 
 
 _SUBCOMMANDS: dict[str, _Subcommand] = {}
@@ -753,11 +765,18 @@ def _plan_command(args: argparse.Namespace, ui: Ui) -> int:
 
 @dataclass(frozen=True)
 class _BenchRow:
+    """One budget of the sweep."""
+
     label: str
+    """``"50%"`` or ``"least"``."""
     budget_bytes: int | None
+    """The budget; None for the least reachable."""
     plan: Plan | None
+    """The plan made for it; None when the budget is infeasible."""
     report: MemoryReport | None
+    """The measurement of that plan (shared by budgets that give the same segments)."""
     least_bytes: int
+    """The least estimated peak reachable, for infeasible rows."""
 
 
 @subcommand("bench", "sweep budgets: estimated and measured peak, recompute and step time",
