@@ -30,6 +30,7 @@ from autockpt.errors import (
 )
 from autockpt.measure import MemoryReport, measure, track_activation_memory
 from autockpt.planner import STRATEGIES, Plan, Segment
+from autockpt.plot import MemoryCurves, draw_memory, memory_curves, plot_memory
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "InvalidArgumentError",
     "LoadResult",
+    "MemoryCurves",
     "MemoryReport",
     "Plan",
     "ResumableSampler",
@@ -53,11 +55,14 @@ __all__ = [
     "TrainingState",
     "__version__",
     "apply",
+    "draw_memory",
     "load_checkpoint",
     "load_state_dict",
     "measure",
+    "memory_curves",
     "plan",
     "plan_of",
+    "plot_memory",
     "save_checkpoint",
     "track_activation_memory",
 ]

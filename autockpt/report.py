@@ -10,7 +10,8 @@ from autockpt.units import format_bytes, format_flops
 if TYPE_CHECKING:
     from autockpt.planner import Plan, Segment
 
-__all__ = ["format_plan", "format_table"]
+__all__ = ["PLAN_COLUMNS", "PLAN_COLUMNS_RIGHT", "format_plan", "format_table", "plan_rows",
+           "plan_summary", "span_label"]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool] = ()
@@ -29,19 +30,35 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right:
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
-def _span(seg: Segment) -> str:
+def span_label(seg: Segment) -> str:
+    """The modules a segment runs, as printed: ``"0 .. 4"``, or one name when it is one.
+
+    Example:
+        >>> import torch, autockpt
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> span_label(autockpt.plan(net, (torch.randn(8, 64),)).segments[0])
+        '0 .. 1'
+    """
     first = seg.first_module or "(forward)"
     last = seg.last_module or "(forward)"
     return first if first == last else f"{first} .. {last}"
 
 
-def format_plan(plan: Plan) -> str:
-    """Render a plan: a summary header, then one row per stretch of the graph in order.
+PLAN_COLUMNS = ("#", "modules", "nodes", "kept", "freed", "recompute", "dummy", "note")
+"""Column names of the plan table, in order (``docs/plan-columns.md`` explains each)."""
+
+PLAN_COLUMNS_RIGHT = (True, False, True, True, True, True, False, False)
+"""Which of :data:`PLAN_COLUMNS` hold numbers and are right-aligned."""
+
+
+def plan_summary(plan: Plan) -> list[str]:
+    """The header lines of a printed plan: model, mode, peaks, budget, recompute, counts.
 
     Example:
         >>> import torch, autockpt
         >>> net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-        >>> print(format_plan(autockpt.plan(net, (torch.randn(8, 64),))))  # doctest: +SKIP
+        >>> plan_summary(autockpt.plan(net, (torch.randn(8, 64),)))[0]
+        'autockpt plan for Sequential(input=float32[8, 64])'
     """
     budget = "none (least memory reachable)" if plan.budget_bytes is None else format_bytes(
         plan.budget_bytes
@@ -57,7 +74,19 @@ def format_plan(plan: Plan) -> str:
         f"  recompute       {format_flops(plan.recompute_flops)} ({ratio})",
         f"  segments        {len(plan.segments)} checkpointed, {len(plan.skipped)} left alone",
     ]
-    header += [f"  note: {note}" for note in plan.notes]
+    return header + [f"  note: {note}" for note in plan.notes]
+
+
+def plan_rows(plan: Plan) -> list[tuple[Segment, list[str]]]:
+    """One row of cells (see :data:`PLAN_COLUMNS`) per stretch of the graph, in graph order,
+    each with the :class:`~autockpt.planner.Segment` it describes.
+
+    Example:
+        >>> import torch, autockpt
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> [cells[0] for _, cells in plan_rows(autockpt.plan(net, (torch.randn(8, 64),)))]
+        ['1', '-']
+    """
     stretches = sorted([*plan.segments, *plan.skipped], key=lambda s: s.start)
     rows = []
     number = 0
@@ -69,18 +98,26 @@ def format_plan(plan: Plan) -> str:
                 notes.append("rng replayed")
             if seg.buffers:
                 notes.append(f"{len(seg.buffers)} buffers updated once")
-            rows.append([
-                str(number), _span(seg), str(seg.node_count),
+            rows.append((seg, [
+                str(number), span_label(seg), str(seg.node_count),
                 format_bytes(seg.boundary_bytes), format_bytes(seg.freed_bytes),
                 format_flops(seg.recompute_flops), "yes" if seg.dummy_arg else "no",
                 ", ".join(notes),
-            ])
+            ]))
         else:
-            rows.append(["-", _span(seg), str(seg.node_count), "", "", "", "",
-                         f"not checkpointed: {seg.reason}"])
-    table = format_table(
-        ["#", "modules", "nodes", "kept", "freed", "recompute", "dummy", "note"],
-        rows,
-        right=[True, False, True, True, True, True, False, False],
-    )
-    return "\n".join(header) + "\n\n" + table
+            rows.append((seg, ["-", span_label(seg), str(seg.node_count), "", "", "", "",
+                               f"not checkpointed: {seg.reason}"]))
+    return rows
+
+
+def format_plan(plan: Plan) -> str:
+    """Render a plan: a summary header, then one row per stretch of the graph in order.
+
+    Example:
+        >>> import torch, autockpt
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> print(format_plan(autockpt.plan(net, (torch.randn(8, 64),))))  # doctest: +SKIP
+    """
+    table = format_table(PLAN_COLUMNS, [cells for _, cells in plan_rows(plan)],
+                         right=PLAN_COLUMNS_RIGHT)
+    return "\n".join(plan_summary(plan)) + "\n\n" + table

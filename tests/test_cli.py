@@ -1,0 +1,262 @@
+"""The ``autockpt`` command line, driven as users drive it: ``python -m autockpt`` in a
+subprocess, checking what it prints and its exit status (0 done, 2 a usage or user error)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import autockpt
+from autockpt import cli
+from tests import cli_models
+
+REPO = Path(__file__).resolve().parents[1]
+MLP = "tests.cli_models:mlp"
+MLP_INPUT = "8x128"
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """In-process runs use one thread too (see run_cli), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # One thread: the machine is shared, and two threads fighting a busy neighbour make a
+    # millisecond step take a second.
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "autockpt", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("autockpt: error: ") and "(fix: " in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def test_plan_prints_the_plan_and_the_measured_peaks() -> None:
+    result = run_cli("plan", MLP, "--input", MLP_INPUT, "--steps", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    out = result.stdout
+    assert "\x1b[" not in out  # piped: plain text, no colours
+    assert out.startswith("autockpt plan for Sequential(input=float32[8, 128])")
+    plan = autockpt.plan(cli_models.mlp(), (torch.randn(8, 128),))
+    assert str(plan) in out  # the same table as print(plan)
+    assert "measured on cpu" in out
+    before = next(line for line in out.splitlines() if line.startswith("without autockpt"))
+    after = next(line for line in out.splitlines() if line.startswith("with this plan"))
+    assert "KiB" in before and "%" in after and after.rstrip().endswith("x")
+
+
+def test_plan_json_matches_autockpt_plan(tmp_path: Path) -> None:
+    # The path form of MODEL, run from another directory, with a budget in percent.
+    result = run_cli("plan", str(REPO / "tests" / "cli_models.py") + ":mlp", "--input",
+                     MLP_INPUT, "--budget", "60%", "--json", "--steps", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    model = cli_models.mlp()
+    x = torch.randn(8, 128)
+    free = autockpt.plan(model, (x,))
+    budget = data["plan"]["budget_bytes"]
+    assert abs(budget - 0.6 * free.baseline_peak_bytes) <= 1
+    expected = autockpt.plan(model, (x,), budget_mb=budget / 2**20)
+    for name in ("baseline_peak_bytes", "estimated_peak_bytes", "min_peak_bytes",
+                 "recompute_flops", "forward_flops", "node_count", "mode", "model",
+                 "input_signature", "graph_fingerprint"):
+        assert data["plan"][name] == getattr(expected, name), name
+    assert data["plan"]["recompute_ratio"] == pytest.approx(expected.recompute_ratio)
+    assert [(s["start"], s["end"], s["first_module"], s["last_module"])
+            for s in data["plan"]["segments"]] == [
+        (s.start, s.end, s.first_module, s.last_module) for s in expected.segments]
+    measured = data["measured"]
+    before = measured["without_autockpt"]["peak_activation_bytes"]
+    after = measured["with_plan"]["peak_activation_bytes"]
+    assert before == autockpt.measure(model, (x,)).peak_activation_bytes
+    assert after < before and after <= 1.05 * budget
+    assert measured["device"] == "cpu" and data["plot"] is None
+
+
+def test_plan_with_several_inputs_int_ids_and_reentrant_mode() -> None:
+    result = run_cli("plan", "tests.cli_models:TinyLM", "--input", "4x16:int64", "--json",
+                     "--mode", "reentrant", "--budget-mb", "1", "--steps", "1")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["plan"]["mode"] == "reentrant"
+    assert data["plan"]["input_signature"] == "ids=int64[4, 16]"
+    assert data["plan"]["budget_bytes"] == 2**20
+
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(["plan", "tests.cli_models:TwoInputs", "--input", "4x32;4x32", "--json",
+                     "--steps", "1"], out=out, err=err)
+    assert code == 0, err.getvalue()
+    assert json.loads(out.getvalue())["plan"]["input_signature"] == (
+        "x=float32[4, 32], y=float32[4, 32]")
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def test_bench_sweeps_budgets_with_infeasible_rows_and_progress() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(["bench", MLP, "--input", MLP_INPUT, "--budgets", "100,60,1", "--steps",
+                     "1"], out=out, err=err)
+    assert code == 0, err.getvalue()
+    lines = out.getvalue().splitlines()
+    header = next(line for line in lines if line.startswith("budget"))
+    for column in ("estimated", "measured", "recompute", "step time"):
+        assert column in header
+    rows = {line.split()[0]: line for line in lines if line.split()[:1] and line.split()[0]
+            in ("100%", "60%", "1%", "least")}
+    assert set(rows) == {"100%", "60%", "1%", "least"}
+    assert "infeasible" in rows["1%"] and "needs >=" in rows["1%"]
+    assert rows["100%"].rstrip().endswith("x") and " 0.0% " in rows["100%"]
+    # Not a terminal: progress is one plain line per step, on stderr.
+    progress = err.getvalue().strip().splitlines()
+    assert progress[0].startswith("autockpt: bench 1/5: 100%")
+    assert progress[-1].startswith("autockpt: bench 5/5: timing round 1/1")
+
+
+def test_bench_json() -> None:
+    result = run_cli("bench", MLP, "--input", MLP_INPUT, "--budgets", "100,70,1", "--json",
+                     "--steps", "1")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    rows = {row["label"]: row for row in data["rows"]}
+    assert list(rows) == ["100%", "70%", "1%", "least"]
+    assert rows["1%"]["feasible"] is False
+    assert rows["1%"]["min_feasible_bytes"] == data["least_estimated_peak_bytes"]
+    assert rows["100%"]["segments"] == 0 and rows["100%"]["recompute_ratio"] == 0
+    assert rows["least"]["budget_bytes"] is None
+    assert rows["least"]["measured_peak_bytes"] < rows["100%"]["measured_peak_bytes"]
+    for row in (rows["100%"], rows["70%"], rows["least"]):
+        assert row["estimated_peak_bytes"] > 0 and row["step_time_ratio"] > 0
+    assert rows["70%"]["measured_peak_bytes"] <= 1.05 * rows["70%"]["budget_bytes"]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+ERRORS = {
+    "module missing": (["plan", "no_such_package.models:make", "--input", "2x3"],
+                       ["cannot import 'no_such_package.models'",
+                        "no module named 'no_such_package'"]),
+    "factory missing": (["plan", "tests.cli_models:nope", "--input", "2x3"],
+                        ["has no 'nope'", "found: ", "mlp"]),
+    "not a module": (["plan", "tests.cli_models:not_a_module", "--input", "2x3"],
+                     ["returned a int, not a torch.nn.Module"]),
+    "factory needs arguments": (["plan", "tests.cli_models:needs_arguments", "--input", "2x3"],
+                                ["TypeError", "takes no arguments"]),
+    "factory raises": (["plan", "tests.cli_models:raises", "--input", "2x3"],
+                       ["RuntimeError: the weights file is missing"]),
+    "file missing": (["plan", "nowhere/models.py:make", "--input", "2x3"],
+                     ["no such file: nowhere/models.py"]),
+    "bad MODEL": (["plan", "tests.cli_models", "--input", "2x3"],
+                  ["expected module:factory or file.py:factory"]),
+    "bad shape": (["plan", MLP, "--input", "8by128"], ["'8by128'", "joined by 'x'"]),
+    "bad dtype": (["plan", MLP, "--input", "8x128:float33"], ["unknown dtype 'float33'"]),
+    "forward fails": (["plan", MLP, "--input", "8x100"],
+                      ["Sequential.forward failed on inputs float32[8, 100]",
+                       "mat1 and mat2 shapes cannot be multiplied", "--input"]),
+    "infeasible budget": (["plan", MLP, "--input", MLP_INPUT, "--budget", "1%"],
+                          ["cannot be met", "needs at least", "--budget-mb",
+                           "or no budget"]),
+    "budget without %": (["plan", MLP, "--input", MLP_INPUT, "--budget", "50"],
+                         ["percentage", "--budget-mb"]),
+    "usage": (["plan", MLP], ["required: --input", "autockpt plan --help"]),
+}
+
+
+# Each kind of mistake once through a real subprocess; the rest in process (same code path,
+# without two seconds of interpreter start-up each).
+SUBPROCESS_ERRORS = ("module missing", "factory raises", "forward fails", "infeasible budget")
+
+
+@pytest.mark.parametrize("case", SUBPROCESS_ERRORS)
+def test_helpful_errors_are_one_line_without_traceback(case: str) -> None:
+    argv, needles = ERRORS[case]
+    assert_one_line_error(run_cli(*argv), *needles)
+
+
+@pytest.mark.parametrize("case", [c for c in ERRORS if c not in SUBPROCESS_ERRORS])
+def test_helpful_errors_in_process(case: str) -> None:
+    argv, needles = ERRORS[case]
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(argv, out=out, err=err)
+    assert_one_line_error(subprocess.CompletedProcess(argv, code, out.getvalue(),
+                                                      err.getvalue()), *needles)
+
+
+def test_import_error_in_a_model_file(tmp_path: Path) -> None:
+    (tmp_path / "broken.py").write_text("import torch\ndef broken(:\n")
+    assert_one_line_error(run_cli("plan", "broken.py:make", "--input", "2x3", cwd=tmp_path),
+                          "importing broken.py raised SyntaxError")
+
+
+def test_debug_shows_the_traceback() -> None:
+    result = run_cli("plan", MLP, "--input", "8x100", "--debug")
+    assert result.returncode == 2
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "mat1 and mat2 shapes cannot be multiplied" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("autockpt: error: ")
+
+
+# --------------------------------------------------------------------------- in process
+
+
+def test_without_a_command_prints_help_and_exits_2() -> None:
+    err = io.StringIO()
+    assert cli.main([], out=io.StringIO(), err=err) == 2
+    assert "plan" in err.getvalue() and "bench" in err.getvalue()
+
+
+def test_help_and_version_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["plan", "--help"], ["--version"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 0
+    assert "--budget-mb" in capsys.readouterr().out
+
+
+def test_rich_output_on_a_terminal() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(["plan", MLP, "--input", MLP_INPUT, "--steps", "1", "--budget", "80%"],
+                    out=out, err=err, fancy=True)
+    assert code == 0, err.getvalue()
+    text = out.getvalue()
+    assert "autockpt plan for Sequential" in text
+    assert "━" in text  # rich's table rule, not the plain one
+    assert "budget" in text and "met" in text
+
+
+def test_parsers() -> None:
+    specs = cli.parse_inputs(["16x1000;16x10:int64", " 3 "])
+    assert [(s.shape, s.dtype) for s in specs] == [((16, 1000), None), ((16, 10), torch.int64),
+                                                  ((3,), None)]
+    assert cli.parse_budget_percent("12.5%") == 0.125
+    for bad in ("0x3", "3x", "-1", ""):
+        with pytest.raises(autockpt.InvalidArgumentError):
+            cli.parse_inputs([bad])
+    with pytest.raises(autockpt.InvalidArgumentError):
+        cli.parse_budget_percent("0%")
