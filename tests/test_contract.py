@@ -207,9 +207,9 @@ def test_backward_flops_rise_by_the_planned_recompute(mode: str) -> None:
 def test_reentrant_segment_on_raw_input_gets_the_dummy_arg() -> None:
     """The classic pitfall: a reentrant checkpoint right after the raw input."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                        nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
-    x = torch.randn(8, 16)
+    net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.ReLU())],
+                        nn.Linear(256, 1))
+    x = torch.randn(64, 256)
     # What the pitfall does without the wrapper: the first layer gets no gradient.
     net.zero_grad(set_to_none=True)
     with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
