@@ -236,11 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(default),
                         help=f"comma-separated, from: {', '.join(MODELS)}")
     parser.add_argument("--repeat", type=int, default=5, help="timed steps per method")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 keeps timings stable on a shared machine)")
     parser.add_argument("--compile", action="store_true",
                         help="add torch.compile with activation_memory_budget 0.5 and 0.1")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--plot-dir", type=Path, help="write a Pareto PNG per model here")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
     if unknown:

@@ -55,7 +55,10 @@ def backward_flops(model: nn.Module, x: torch.Tensor) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="timed steps per method")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 keeps timings stable on a shared machine)")
     options = parser.parse_args()
+    torch.set_num_threads(options.threads)
 
     net = mlp72()
     x = torch.randn(16, 1000)
