@@ -50,7 +50,7 @@ from torch import nn
 import autockpt
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.measure import MemoryReport, _format_seconds
-from autockpt.planner import MODES, STRATEGIES, Plan
+from autockpt.planner import BUDGET_SLACK, MODES, STRATEGIES, Plan
 from autockpt.report import PLAN_COLUMNS, PLAN_COLUMNS_RIGHT, format_table, plan_rows, plan_summary
 from autockpt.units import format_bytes
 
@@ -575,8 +575,8 @@ def planning_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument("--mode", choices=MODES, default="non_reentrant",
                         help="checkpoint flavour (default non_reentrant)")
-    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="greedy",
-                        help="how segments are chosen (default greedy)")
+    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="optimal",
+                        help="how segments are chosen (default optimal)")
     parser.add_argument("--steps", type=_positive_int, default=3, metavar="N",
                         help="timed training steps per measurement; the median is reported "
                         "(default 3)")
@@ -847,7 +847,7 @@ def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
             styles.append("dim")
             continue
         peak = row.report.peak_activation_bytes
-        over = row.budget_bytes is not None and peak > row.budget_bytes
+        over = row.budget_bytes is not None and peak > row.budget_bytes * (1 + BUDGET_SLACK)
         table.append([
             row.label, budget, format_bytes(row.plan.estimated_peak_bytes), format_bytes(peak),
             str(len(row.plan.segments)), f"{100 * row.plan.recompute_ratio:.1f}%",

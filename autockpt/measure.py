@@ -63,7 +63,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -610,28 +610,14 @@ def measure(
         True
     """
     args, kwargs = _check_arguments(model, example_inputs, loss_fn, example_kwargs, warmup, repeat)
-    args = _map_tensors(args, _detach_non_leaf)
-    kwargs = _map_tensors(kwargs, _detach_non_leaf)
-
-    parameters = list(model.parameters())
-    buffers = list(model.buffers())
-    input_tensors = list(_iter_tensors((args, kwargs)))
-    device = _step_device(parameters, buffers, input_tensors)
-
-    # Leaves whose .grad backward writes: trainable parameters and leaf inputs that require
-    # grad. Deduplicated by identity; a tensor can be both an input and a parameter.
-    grad_leaves: dict[int, torch.Tensor] = {}
-    for tensor in [*parameters, *input_tensors]:
-        if tensor.requires_grad and tensor.is_leaf:
-            grad_leaves.setdefault(id(tensor), tensor)
-
-    step = _Step(model, args, kwargs, loss_fn, list(grad_leaves.values()), device)
+    step = make_step(model, args, kwargs, loss_fn)
+    device = step.device
     with _PreservedState(model, step.grad_leaves, device):
         for _ in range(warmup):
             step.run()
 
         tracked = step.run(
-            exclude=[*parameters, *buffers, *input_tensors],
+            exclude=step.existing_tensors(),
         )
         assert tracked.tracker is not None
         tracker = tracked.tracker
@@ -672,6 +658,30 @@ def measure(
 #     each leaf's previous ``.grad`` object (or None) is put back when measuring ends.
 
 
+_S = TypeVar("_S", bound="_Step")
+
+
+def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              loss_fn: LossFn | None, step_type: type[_S] | None = None) -> _S:
+    """A training step of ``model`` on these (already checked) inputs, set up the way
+    :func:`measure` measures it: non-leaf inputs detached, the leaves whose ``.grad`` backward
+    writes collected, the device found."""
+    args = _map_tensors(args, _detach_non_leaf)
+    kwargs = _map_tensors(kwargs, _detach_non_leaf)
+    parameters = list(model.parameters())
+    buffers = list(model.buffers())
+    input_tensors = list(_iter_tensors((args, kwargs)))
+    device = _step_device(parameters, buffers, input_tensors)
+    # Leaves whose .grad backward writes: trainable parameters and leaf inputs that require
+    # grad. Deduplicated by identity; a tensor can be both an input and a parameter.
+    grad_leaves: dict[int, torch.Tensor] = {}
+    for tensor in [*parameters, *input_tensors]:
+        if tensor.requires_grad and tensor.is_leaf:
+            grad_leaves.setdefault(id(tensor), tensor)
+    cls = _Step if step_type is None else step_type
+    return cls(model, args, kwargs, loss_fn, list(grad_leaves.values()), device)  # type: ignore[return-value]
+
+
 @dataclass
 class _StepResult:
     seconds: float
@@ -689,6 +699,12 @@ class _Step:
     loss_fn: LossFn | None
     grad_leaves: list[torch.Tensor]
     device: torch.device
+
+    def existing_tensors(self) -> list[torch.Tensor]:
+        """What exists before the step and is not an activation: parameters, buffers,
+        inputs."""
+        return [*self.model.parameters(), *self.model.buffers(),
+                *_iter_tensors((self.args, self.kwargs))]
 
     def run(
         self,

@@ -27,9 +27,13 @@ from autockpt.chain import Chain, Ranges, build_chain, estimate_peak, optimal_ra
 from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
 from autockpt.stats import NodeStat, Profile
 
-__all__ = ["Segment", "Plan", "make_plan", "STRATEGIES", "MODES"]
+__all__ = ["Segment", "Plan", "make_plan", "STRATEGIES", "MODES", "BUDGET_SLACK"]
 
 MODES = ("non_reentrant", "reentrant")
+
+BUDGET_SLACK = 0.05
+"""How far a measured peak may exceed the budget a plan fits: the estimate cannot see
+temporaries inside a kernel or the allocator's rounding (documented in the README)."""
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,9 @@ from torch import nn
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.measure import (
     _check_arguments,
-    _detach_non_leaf,
-    _iter_tensors,
-    _map_tensors,
     _PreservedState,
     _Step,
-    _step_device,
+    make_step,
     track_activation_memory,
 )
 from autockpt.planner import Plan
@@ -215,22 +212,13 @@ def _tracked_step(
 ) -> tuple[tuple[int, ...], list[tuple[str, int]]]:
     """One tracked step, set up as :func:`autockpt.measure` sets it up; returns the bytes
     after each op and the marks as ``(label, op_index)``."""
-    args = _map_tensors(args, _detach_non_leaf)
-    kwargs = _map_tensors(kwargs, _detach_non_leaf)
-    parameters = list(model.parameters())
-    buffers = list(model.buffers())
-    input_tensors = list(_iter_tensors((args, kwargs)))
-    device = _step_device(parameters, buffers, input_tensors)
-    leaves: dict[int, torch.Tensor] = {}
-    for tensor in [*parameters, *input_tensors]:
-        if tensor.requires_grad and tensor.is_leaf:
-            leaves.setdefault(id(tensor), tensor)
-    step = _MarkedStep(model, args, kwargs, loss_fn, list(leaves.values()), device)
+    step = make_step(model, args, kwargs, loss_fn, _MarkedStep)
+    device = step.device
     if segment_numbers is not None:
         _instrument(model, step, segment_numbers)
     try:
         with _PreservedState(model, step.grad_leaves, device):
-            result = step.run(exclude=[*parameters, *buffers, *input_tensors])
+            result = step.run(exclude=step.existing_tensors())
     finally:
         model.__dict__.pop("_autockpt_run", None)
     tracker = result.tracker

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import autockpt
+from autockpt.planner import BUDGET_SLACK
 from tests.zoo import CASES, ZooCase, get_case
 
-SLACK = 1.05
+SLACK = 1 + BUDGET_SLACK
 FRACTIONS = (0.75, 0.5, "min")
 
 
