@@ -8,6 +8,7 @@ Example:
 """
 
 from autockpt.api import apply, plan, plan_of
+from autockpt.diagnose import diagnose
 from autockpt.errors import (
     AutockptError,
     CheckpointError,
@@ -15,6 +16,7 @@ from autockpt.errors import (
     InvalidArgumentError,
     TraceError,
 )
+from autockpt.findings import Finding, Report
 from autockpt.measure import MemoryReport, measure, track_activation_memory
 from autockpt.planner import STRATEGIES, Plan, Segment
 
@@ -23,15 +25,18 @@ __version__ = "0.1.0"
 __all__ = [
     "AutockptError",
     "CheckpointError",
+    "Finding",
     "InfeasibleBudgetError",
     "InvalidArgumentError",
     "MemoryReport",
     "Plan",
+    "Report",
     "STRATEGIES",
     "Segment",
     "TraceError",
     "__version__",
     "apply",
+    "diagnose",
     "measure",
     "plan",
     "plan_of",
