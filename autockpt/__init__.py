@@ -17,6 +17,7 @@ from autockpt.errors import (
     TraceError,
 )
 from autockpt.findings import Finding, Report
+from autockpt.lint import lint
 from autockpt.measure import MemoryReport, measure, track_activation_memory
 from autockpt.planner import STRATEGIES, Plan, Segment
 
@@ -37,6 +38,7 @@ __all__ = [
     "__version__",
     "apply",
     "diagnose",
+    "lint",
     "measure",
     "plan",
     "plan_of",
