@@ -49,6 +49,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import linecache
 import os
 import sys
 import threading
@@ -68,6 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autockpt import runtime
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.findings import Finding, Report
+from autockpt.lint import source_with_flag
 from autockpt.planner import Segment
 from autockpt.profile import profile
 from autockpt.stats import Profile
@@ -507,6 +509,7 @@ class _Call:
     kind: str  # "checkpoint" or "checkpoint_sequential"
     via: str  # "", "checkpoint_sequential", "checkpoint_wrapper" or "autockpt"
     site: str | None
+    source: str
     label: str
     function_expr: str
     explicit_reentrant: bool
@@ -548,6 +551,8 @@ class _Region:
 class _Step:
     """What the training step left for the judges."""
 
+    forward_done: bool = False
+    """Whether forward ran to the end."""
     backward_done: bool = False
     """Whether backward ran to the end (or there was nothing to run it on)."""
     output_detached: bool = False
@@ -589,6 +594,7 @@ class _Session:
         self.active: list[tuple[_Call, str]] = []
         self.snapshots: list[dict[str, tuple[nn.Module, str, torch.Tensor]]] = []
         self.failed_call: _Call | None = None
+        self.function_failed = False
         self.input_labels: dict[int, str] = {}
         self.site_counts: dict[str | None, int] = {}
         self.call_keys: dict[int, tuple[str | None, int]] = {}
@@ -653,6 +659,8 @@ class _Session:
         site_frame = _user_frame(caller)
         site = _format_site(site_frame) if site_frame is not None else None
         caller_self = site_frame.f_locals.get("self") if site_frame is not None else None
+        source = "" if site_frame is None else linecache.getline(
+            site_frame.f_code.co_filename, site_frame.f_lineno, site_frame.f_globals)
         del site_frame
         if caller.f_code is _RUN_SEGMENT_CODE:
             via, site = "autockpt", None
@@ -705,6 +713,7 @@ class _Session:
             kind=kind,
             via=via,
             site=site,
+            source=source,
             label=label,
             function_expr=self._expression(function, caller_path),
             explicit_reentrant=kwargs.get("use_reentrant") is not None,
@@ -747,6 +756,10 @@ class _Session:
             try:
                 with watch:
                     return function(*args, **kwargs)
+            except BaseException:
+                if phase == "forward":
+                    self.function_failed = True  # the model's own error, not checkpoint's
+                raise
             finally:
                 self.active.pop()
                 snapshot = self.snapshots.pop()
@@ -863,7 +876,8 @@ class _Session:
         graph: tuple[fx.Graph, Profile] | None = None
         with _observing(self), torch.inference_mode(False), torch.enable_grad():
             step = self._step(args, kwargs, loss_fn, findings)
-            if any(not c.nested and c.via != "autockpt" for c in self.calls):
+            if step.forward_done and any(not c.nested and c.via != "autockpt"
+                                         for c in self.calls):
                 graph = self._trace(args, kwargs)
         findings += self._judge_calls()
         findings += self._judge_memory(graph, step.output_keys)
@@ -884,7 +898,7 @@ class _Session:
                 with watch:
                     output = self.root(*args, **kwargs)
             except Exception as err:
-                if self.failed_call is None:
+                if self.failed_call is None or self.function_failed:
                     raise InvalidArgumentError(
                         f"{self.subject}.forward failed on the example inputs: "
                         f"{type(err).__name__}: {err}",
@@ -893,6 +907,7 @@ class _Session:
                     ) from err
                 findings.append(self._failure("forward", err))
                 return step
+            step.forward_done = True
             step.used_anywhere = watch.params_used
             step.output_keys = {k for t in _tensors(output) if (k := _storage_key(t)) is not None}
             loss = _loss(output, loss_fn, self.subject)
@@ -986,10 +1001,7 @@ class _Session:
         for where, calls in sites.items():
             first = calls[0]
             count = f" ({len(calls)} calls)" if len(calls) > 1 else ""
-            if first.kind == "checkpoint_sequential":
-                fix = "checkpoint_sequential(functions, segments, x, use_reentrant=False)"
-            else:
-                fix = f"{_call_text(first, 'use_reentrant=False')}"
+            fix = _call_text(first, "use_reentrant=False")
             findings.append(Finding(
                 code="AC006",
                 severity="warning",
@@ -1243,9 +1255,10 @@ def _inplace_input(call: _Call) -> Finding:
         severity="error",
         where=call.where,
         message=f"the checkpointed function modifies its input in place ({writes}). "
-        "Checkpoint keeps a reference to its inputs for the recompute, so backward recomputes "
-        "from the modified value: wrong gradients (the reentrant variant fails instead, when "
-        "it notices the saved input changed).",
+        "Checkpoint keeps its inputs for the recompute: where autograd's version check sees "
+        "the write, backward fails (\"modified by an inplace operation\"); where it does not "
+        "(writes through .data, kernels that do not bump versions), backward silently "
+        "recomputes from the modified value and the gradients are wrong.",
         fix="# write out of place inside the checkpointed function:\n"
         "x = torch.relu(x)  # not x.relu_() or nn.ReLU(inplace=True) on the input\n"
         "h = h + y          # not h += y",
@@ -1301,7 +1314,7 @@ def _last_region(call: _Call, freed: int | None) -> Finding:
 
 def _reentrant_fix(call: _Call) -> str:
     if call.via == "checkpoint_sequential":
-        return "checkpoint_sequential(functions, segments, x, use_reentrant=False)"
+        return _call_text(call, "use_reentrant=False")
     if call.via == "checkpoint_wrapper":
         return ("checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)\n"
                 "# or keep reentrant and let autockpt add the dummy input it needs:\n"
@@ -1317,6 +1330,11 @@ def _reentrant_fix(call: _Call) -> str:
 
 
 def _call_text(call: _Call, flag: str) -> str:
+    """The user's checkpoint call with ``flag`` set, from the source line when it holds the
+    whole call, else from what the run saw."""
+    rewritten = source_with_flag(call.source, flag) if call.source else None
+    if rewritten is not None:
+        return rewritten
     names = [i.label if i.label.isidentifier() else "x" for i in call.inputs
              if i.label != "autockpt's dummy input"]
     arguments = ", ".join(dict.fromkeys(names)) if names else "x"

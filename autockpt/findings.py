@@ -32,21 +32,21 @@ SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 """The severities, most severe first: the order reports are sorted in."""
 
 CODES: dict[str, str] = {
-    "AC000": "the diagnostic run itself failed",
-    "AC001": "reentrant checkpoint with no input requiring grad: its parameters get no gradient",
-    "AC002": "input made to require grad only for checkpoint: its gradient is thrown away",
+    "AC000": "the diagnostic run failed",
+    "AC001": "reentrant checkpoint, no input requires grad: no gradients",
+    "AC002": "input made to require grad just for checkpoint",
     "AC003": "trainable parameters got no gradient",
-    "AC004": "buffers updated twice: in forward and again in the recompute",
-    "AC005": "random ops recomputed without the RNG state: recompute differs from forward",
-    "AC006": "checkpoint without an explicit use_reentrant",
-    "AC007": "checkpoint in eval mode or under no_grad: pure overhead",
-    "AC008": "in-place op on a checkpoint's input: the recompute sees the modified value",
-    "AC009": "reentrant checkpoint with keyword or container tensors: their gradients are lost",
-    "AC010": "DDP find_unused_parameters=True with reentrant checkpoint",
-    "AC011": "checkpointed region that saves no memory",
-    "AC012": "loss tensor accumulated across steps: every step's graph stays alive",
-    "AC013": "state_dict keys with a wrapper prefix (module., _orig_mod.)",
-    "AC014": "training checkpoint saved without the optimizer state",
+    "AC004": "buffers updated twice (forward and recompute)",
+    "AC005": "random ops recomputed without the RNG state",
+    "AC006": "use_reentrant not passed explicitly",
+    "AC007": "checkpoint in eval mode or under no_grad",
+    "AC008": "in-place op on a checkpoint's input",
+    "AC009": "reentrant checkpoint loses keyword/container tensors",
+    "AC010": "DDP find_unused_parameters with reentrant checkpoint",
+    "AC011": "checkpoint saves no memory",
+    "AC012": "loss tensor accumulated across steps",
+    "AC013": "state_dict keys with a wrapper prefix",
+    "AC014": "training checkpoint without optimizer state",
 }
 """Every finding code, with its one-line title (docs/diagnostics.md has an example of each)."""
 

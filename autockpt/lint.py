@@ -40,7 +40,7 @@ from pathlib import Path
 from autockpt.errors import InvalidArgumentError
 from autockpt.findings import Finding, Report
 
-__all__ = ["LintSyntaxError", "lint"]
+__all__ = ["LintSyntaxError", "lint", "source_with_flag"]
 
 _CHECKPOINT = "torch.utils.checkpoint.checkpoint"
 _SEQUENTIAL = "torch.utils.checkpoint.checkpoint_sequential"
@@ -808,6 +808,27 @@ def _target_leaves(target: ast.AST) -> list[ast.AST]:
     if isinstance(target, ast.Starred):
         return _target_leaves(target.value)
     return [target]
+
+
+def source_with_flag(line: str, flag: str) -> str | None:
+    """The checkpoint call on a line of source, rewritten with ``flag`` (``use_reentrant=False``);
+    None if the line holds no complete checkpoint call.
+
+    Example:
+        >>> source_with_flag("    h = checkpoint(block, h)  # why", "use_reentrant=False")
+        'checkpoint(block, h, use_reentrant=False)'
+    """
+    try:
+        tree = ast.parse(line.strip())
+    except SyntaxError:  # the call spans several lines
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name in ("checkpoint", "checkpoint_sequential"):
+                return _with_flag(node, flag)
+    return None
 
 
 def _with_flag(call: ast.Call, flag: str) -> str:

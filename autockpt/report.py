@@ -104,8 +104,8 @@ def format_findings(report: Report, *, width: int = 96) -> str:
         autockpt report for train.py: 0 errors, 1 warning, 0 info
         <BLANKLINE>
         #  severity  code   where       problem
-        -  --------  -----  ----------  --------------------------------------------
-        1  warning   AC006  train.py:3  checkpoint without an explicit use_reentrant
+        -  --------  -----  ----------  -----------------------------------
+        1  warning   AC006  train.py:3  use_reentrant not passed explicitly
         <BLANKLINE>
         1. AC006 (warning) at train.py:3
            checkpoint() is called without use_reentrant.
