@@ -382,7 +382,7 @@ class _Linter:
             raw = [self._raw_name(a, call, top_level) for a in arguments]
             if any(r is None for r in raw):
                 continue
-            names = ", ".join(str(r) for r in raw)
+            names = ", ".join(ast.unparse(a) for a in arguments)
             fix = (("checkpoint_sequential(functions, segments, x, use_reentrant=False)"
                     if call.kind == "checkpoint_sequential" else
                     _with_flag(call.node, "use_reentrant=False"))
