@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import linecache
+import re
 import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import autockpt
 from autockpt import runtime
-from autockpt.findings import Finding, Report
+from autockpt.findings import CODES, Finding, Report
 from tests.zoo import CASES, ZooCase, get_case
 
 # Kept in a tuple: diagnose swaps module globals that hold the real function, not tuples.
@@ -772,3 +774,36 @@ def test_diagnose_copy_is_independent_of_apply_state() -> None:
     assert autockpt.plan_of(transformed) is plan
     for key, value in transformed.state_dict().items():
         assert torch.equal(value, snapshot[key])
+
+
+# --------------------------------------------------------------------------- the docs
+
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "diagnostics.md"
+_BLOCK = re.compile(r"<!-- (example|fix) (AC\d{3}) (diagnose|lint) -->\n```python\n(.*?)```", re.S)
+DOC_BLOCKS = _BLOCK.findall(DOC.read_text())
+
+
+def test_docs_cover_every_code() -> None:
+    text = DOC.read_text()
+    for code in CODES:
+        assert f"| [{code}](#{code.lower()}) |" in text, f"{code} missing from the table"
+        kinds = {kind for kind, c, _, _ in DOC_BLOCKS if c == code}
+        assert kinds == {"example", "fix"}, f"{code}: needs an example and a fix, has {kinds}"
+
+
+@pytest.mark.parametrize(("kind", "code", "tool", "source"), DOC_BLOCKS,
+                         ids=[f"{c}-{k}-{t}" for k, c, t, _ in DOC_BLOCKS])
+def test_docs_examples(kind: str, code: str, tool: str, source: str) -> None:
+    """Each documented example produces its code; each documented fix does not."""
+    if tool == "lint":
+        report = autockpt.lint(source)
+    else:
+        namespace: dict[str, object] = {"__name__": f"docs_{code}_{kind}"}
+        exec(compile(source, f"<docs {code} {kind}>", "exec"), namespace)  # noqa: S102
+        report = autockpt.diagnose(namespace["model"], namespace["inputs"])  # type: ignore[arg-type]
+    if kind == "example":
+        assert code in report.codes(), str(report)
+    else:
+        assert code not in report.codes() and not report.errors and not report.warnings, \
+            str(report)
