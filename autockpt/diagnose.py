@@ -503,35 +503,61 @@ class _Input:
 
 @dataclass
 class _Call:
-    """Everything recorded about one checkpoint call (mutable while the step runs)."""
+    """Everything recorded about one checkpoint call; filled in while the step runs."""
 
     index: int
-    kind: str  # "checkpoint" or "checkpoint_sequential"
-    via: str  # "", "checkpoint_sequential", "checkpoint_wrapper" or "autockpt"
+    """Order of the call among all recorded calls."""
+    kind: str
+    """``"checkpoint"`` or ``"checkpoint_sequential"``."""
+    via: str
+    """Who made the call: ``""`` (the user's code), ``"checkpoint_sequential"``,
+    ``"checkpoint_wrapper"`` or ``"autockpt"``."""
     site: str | None
+    """``file:line`` of the user's code that made the call (None for autockpt's segments)."""
     source: str
+    """The source line at ``site``, to write fixes in the user's own words."""
     label: str
+    """Module path(s) the checkpointed function runs, for ``where``."""
     function_expr: str
+    """Python naming the checkpointed function from the caller (``self.blocks[0]``)."""
     explicit_reentrant: bool
+    """Whether ``use_reentrant`` was given."""
     reentrant: bool
+    """Whether the reentrant variant runs (PyTorch's default when the flag is missing)."""
     preserve_rng: bool
+    """The ``preserve_rng_state`` flag."""
     grad_enabled: bool
+    """Whether grad mode was on at the call."""
     training: bool
+    """Whether the function's modules (or the caller) were in training mode."""
     nested: bool
+    """Whether the call happened inside another observed checkpoint's function."""
     inputs: tuple[_Input, ...]
+    """The tensors given positionally."""
     container_grad_positions: tuple[int, ...]
+    """Positions of tuples/lists/dicts holding tensors that require grad."""
     keyword_tensors: tuple[str, ...]
+    """Keyword arguments (other than checkpoint's own flags) holding tensors."""
     segment: Segment | None = None
+    """The plan row, for autockpt's segments."""
     runs: int = 0
+    """How many times the function ran: 1 after forward, 2 after the recompute."""
     params_used: dict[str, None] = field(default_factory=dict)
+    """Trainable parameters the function read in forward, in order (a dict as ordered set)."""
     random_ops: dict[str, None] = field(default_factory=dict)
+    """Random ops the function ran in forward."""
     input_writes: dict[tuple[int, str], None] = field(default_factory=dict)
+    """``(input position, op)`` of in-place writes into the inputs' storage in forward."""
     buffers_forward: dict[str, None] = field(default_factory=dict)
+    """Buffers updated while the function ran in forward."""
     buffers_recompute: dict[str, None] = field(default_factory=dict)
+    """Buffers updated while it was recomputed in backward."""
     output_keys: tuple[int, ...] = ()
+    """Storages of the call's output tensors."""
 
     @property
     def where(self) -> str:
+        """The finding location: module path(s) and, where known, the call site."""
         return f"{self.label} ({self.site})" if self.site else self.label
 
 
@@ -672,7 +698,8 @@ class _Session:
         ).__module__ == _WRAPPER_MODULE:
             via = "checkpoint_wrapper"
         modules = self._modules(function)
-        caller_path = self.paths.get(id(caller_self)) if isinstance(caller_self, nn.Module) else None
+        caller_path = (self.paths.get(id(caller_self))
+                       if isinstance(caller_self, nn.Module) else None)
         if segment is not None:
             label = f"autockpt segment {_span(segment)}"
         else:

@@ -44,8 +44,9 @@ __all__ = ["LintSyntaxError", "lint", "source_with_flag"]
 
 _CHECKPOINT = "torch.utils.checkpoint.checkpoint"
 _SEQUENTIAL = "torch.utils.checkpoint.checkpoint_sequential"
-_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper"
-_REENTRANT_IMPL = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointImpl.REENTRANT"
+_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+_WRAPPER = f"{_WRAPPER_MODULE}.checkpoint_wrapper"
+_REENTRANT_IMPL = f"{_WRAPPER_MODULE}.CheckpointImpl.REENTRANT"
 _DDP = frozenset({
     "torch.nn.parallel.DistributedDataParallel",
     "torch.nn.parallel.distributed.DistributedDataParallel",
@@ -405,7 +406,8 @@ class _Linter:
         if function is None:
             return False
         name = self.resolve(function)
-        if name is not None and name.startswith("torch.") and not name.rsplit(".", 1)[-1][:1].isupper():
+        leaf = (name or "").rsplit(".", 1)[-1]
+        if name is not None and name.startswith("torch.") and not leaf[:1].isupper():
             return False  # torch.relu, F.gelu...: nothing to train
         return True
 

@@ -589,7 +589,8 @@ def _assert_same_state(before: dict[str, object], after: dict[str, object]) -> N
     assert before.keys() == after.keys()
     for key in ("params", "buffers"):
         for name, value in before[key].items():  # type: ignore[attr-defined]
-            assert torch.equal(value, after[key][name]), f"{key} {name} changed"  # type: ignore[index]
+            other = after[key][name]  # type: ignore[index]
+            assert torch.equal(value, other), f"{key} {name} changed"
     for name, grad in before["grads"].items():  # type: ignore[attr-defined]
         other = after["grads"][name]  # type: ignore[index]
         assert (grad is None) == (other is None) and (grad is None or torch.equal(grad, other))
@@ -801,7 +802,8 @@ def test_docs_examples(kind: str, code: str, tool: str, source: str) -> None:
     else:
         namespace: dict[str, object] = {"__name__": f"docs_{code}_{kind}"}
         exec(compile(source, f"<docs {code} {kind}>", "exec"), namespace)  # noqa: S102
-        report = autockpt.diagnose(namespace["model"], namespace["inputs"])  # type: ignore[arg-type]
+        model, inputs = namespace["model"], namespace["inputs"]
+        report = autockpt.diagnose(model, inputs)  # type: ignore[arg-type]
     if kind == "example":
         assert code in report.codes(), str(report)
     else:

@@ -351,9 +351,10 @@ def test_ac014_checkpoint_without_optimizer_state() -> None:
 
 
 def test_ac014_dict_built_step_by_step() -> None:
+    saved = ('{"epoch": epoch, "model": model.state_dict(), "sched": sched.state_dict()},\n'
+             '               f"ckpt{epoch}.pt")')
     source = CHECKPOINT_DICT.replace(
-        '    torch.save({"epoch": epoch, "model": model.state_dict(), "sched": sched.state_dict()},\n'
-        '               f"ckpt{epoch}.pt")',
+        f"    torch.save({saved}",
         '    state = {"epoch": epoch}\n    state["model"] = model.state_dict()\n'
         '    torch.save(state, "ckpt.pt")')
     assert "AC014" in _lint(source).codes()
