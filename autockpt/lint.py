@@ -709,8 +709,12 @@ class _Linter:
                 fix=f"torch.save({text}.{inner}.state_dict(), path)",
             ))
         for load, wrapper in loads:
-            if wrapper is None and wrapped_saves:
-                save = wrapped_saves[0][0]
+            # Only a save and a load in the same function are known to share the file.
+            scope = self.scope_of(load)
+            wrapped_here = [s for s in wrapped_saves if self.scope_of(s[0]) is scope]
+            bare_here = [s for s in bare_saves if self.scope_of(s[0]) is scope]
+            if wrapper is None and wrapped_here:
+                save = wrapped_here[0][0]
                 found.append(Finding(
                     code="AC013",
                     severity="warning",
@@ -725,7 +729,7 @@ class _Linter:
                     "or \"_orig_mod.\"\n"
                     "model.load_state_dict(state)",
                 ))
-            elif wrapper is not None and bare_saves and not wrapped_saves:
+            elif wrapper is not None and bare_here and not wrapped_here:
                 text = ast.unparse(load.func.value)  # type: ignore[attr-defined]
                 inner = "_orig_mod" if wrapper == "torch.compile" else "module"
                 found.append(Finding(
@@ -733,7 +737,7 @@ class _Linter:
                     severity="warning",
                     where=self.where(load),
                     message=f"loads into `{text}`, wrapped in {wrapper}, a state_dict that "
-                    f"this script saves from a bare model (line {bare_saves[0][0].lineno}): "
+                    f"this script saves from a bare model (line {bare_here[0][0].lineno}): "
                     "the wrapper expects every key with its prefix.",
                     fix=f"{text}.{inner}.load_state_dict(torch.load(path))",
                 ))
@@ -741,15 +745,24 @@ class _Linter:
 
     # ----------------------------------------------------------------------- AC014
 
-    def _optimizers(self) -> dict[str, str]:
-        """Names holding an optimizer (``opt = torch.optim.Adam(...)``) -> its class."""
+    def _optimizers(self, stateful: bool = False) -> dict[str, str]:
+        """Names holding an optimizer (``opt = torch.optim.Adam(...)``) -> its class; with
+        ``stateful``, only those with state to lose (plain SGD without momentum has none)."""
         found: dict[str, str] = {}
         for target, _, _, value in self.assignments:
-            if isinstance(value, ast.Call):
-                name = self.resolve(value.func) or ""
-                if name.startswith("torch.optim.") and "lr_scheduler" not in name and \
-                        name.rsplit(".", 1)[-1][:1].isupper():
-                    found.setdefault(target, name.rsplit(".", 1)[-1])
+            if not isinstance(value, ast.Call):
+                continue
+            name = self.resolve(value.func) or ""
+            cls = name.rsplit(".", 1)[-1]
+            if not name.startswith("torch.optim.") or "lr_scheduler" in name or \
+                    not cls[:1].isupper():
+                continue
+            if stateful and cls == "SGD":
+                momentum = {k.arg: k.value for k in value.keywords}.get("momentum")
+                if momentum is None or (isinstance(momentum, ast.Constant)
+                                        and not momentum.value):
+                    continue
+            found.setdefault(target, cls)
         return found
 
     def _stateful_helpers(self) -> set[str]:
@@ -763,9 +776,10 @@ class _Linter:
         return helpers
 
     def _optimizer_state(self) -> list[Finding]:
-        optimizers = self._optimizers()
-        if not optimizers:
+        stateful = self._optimizers(stateful=True)
+        if not stateful:
             return []
+        optimizers = self._optimizers()
         helpers = self._stateful_helpers()
         found = []
         for node in self.calls:
@@ -785,7 +799,7 @@ class _Linter:
             has_optimizer = any(o in optimizers for o in owners) or any(
                 "optim" in k for k in keys)
             if has_model and not has_optimizer:
-                name, cls = next(iter(optimizers.items()))
+                name, cls = next(iter(stateful.items()))
                 found.append(Finding(
                     code="AC014",
                     severity="warning",

@@ -325,6 +325,11 @@ def test_ac013_the_reverse() -> None:
     assert _line(finding) == 6 and "wrapped.module.load_state_dict" in finding.fix
 
 
+def test_ac013_loads_elsewhere_are_not_paired() -> None:
+    source = SAVE + "def evaluate():\n    bare = Net()\n    bare.load_state_dict(torch.load(p))\n"
+    assert [_line(f) for f in _only(_lint(source), "AC013")] == [10]
+
+
 def test_ac013_fixed_twin() -> None:
     source = SAVE.replace("model.state_dict()", "model.module.state_dict()")
     source += "bare = Net()\nbare.load_state_dict(torch.load(\"weights.pt\"))\n"
@@ -350,6 +355,12 @@ def test_ac014_checkpoint_without_optimizer_state() -> None:
     assert "`opt` (AdamW)" in finding.message and "opt.state_dict()" in finding.fix
 
 
+def test_ac014_sgd_with_momentum_has_state() -> None:
+    source = CHECKPOINT_DICT.replace("torch.optim.AdamW(model.parameters(), lr=1e-3)",
+                                     "torch.optim.SGD(model.parameters(), 0.1, momentum=0.9)")
+    assert "AC014" in _lint(source).codes()
+
+
 def test_ac014_dict_built_step_by_step() -> None:
     saved = ('{"epoch": epoch, "model": model.state_dict(), "sched": sched.state_dict()},\n'
              '               f"ckpt{epoch}.pt")')
@@ -366,6 +377,7 @@ def test_ac014_dict_built_step_by_step() -> None:
 @pytest.mark.parametrize(("change", "replacement"), [
     ('"sched": sched.state_dict()', '"opt": opt.state_dict()'),
     ("opt = torch.optim.AdamW(model.parameters(), lr=1e-3)\n", ""),  # no optimizer here
+    ("torch.optim.AdamW(model.parameters(), lr=1e-3)", "torch.optim.SGD(model.parameters(), 0.1)"),
 ])
 def test_ac014_twins(change: str, replacement: str) -> None:
     assert "AC014" not in _lint(CHECKPOINT_DICT.replace(change, replacement)).codes()
