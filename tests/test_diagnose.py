@@ -254,6 +254,38 @@ class TailNet(nn.Module):
         return checkpoint(self.block, x, use_reentrant=True)
 
 
+class UntraceableNet(nn.Module):
+    """Python control flow on a tensor value: torch.fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().sum() > 0:
+            x = self.stem(x)
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+class NestedNet(nn.Module):
+    """A checkpoint inside a checkpointed function, in every combination of variants."""
+
+    def __init__(self, outer: bool, inner: bool) -> None:
+        super().__init__()
+        self.outer, self.inner = outer, inner
+        self.stem = nn.Linear(8, 8)
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 1)
+
+    def two_stages(self, h: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.b, self.a(h), use_reentrant=self.inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.two_stages, self.stem(x), use_reentrant=self.outer))
+
+
 class SequentialNet(nn.Module):
     def __init__(self, flag: bool | None) -> None:
         super().__init__()
@@ -547,6 +579,12 @@ def test_ac011_last_segment() -> None:
     assert finding.severity == "info" and "last" in finding.message
 
 
+def test_ac011_last_region_without_a_graph() -> None:
+    # No graph to measure with; the output of the last checkpoint is the model's output.
+    [finding] = _only(autockpt.diagnose(UntraceableNet(), (_x(),)), "AC011")
+    assert finding.severity == "info" and finding.where.startswith("block (")
+
+
 def test_ac011_fixed_twin() -> None:
     # Blocks of two layers each free their inner activation, and a head follows.
     assert "AC011" not in autockpt.diagnose(LoopNet(explicit=True), (_x(),)).codes()
@@ -563,6 +601,16 @@ def test_checkpoint_wrapper_is_observed() -> None:
     assert "CheckpointImpl.NO_REENTRANT" in first.fix
     clean = autockpt.diagnose(WrappedNet(CheckpointImpl.NO_REENTRANT), (_x(),))
     assert clean.checkpoint_calls == 2 and clean.codes() == ()
+
+
+@pytest.mark.parametrize("outer", [False, True])
+@pytest.mark.parametrize("inner", [False, True])
+def test_nested_checkpoints_are_not_misread(outer: bool, inner: bool) -> None:
+    # Inside a reentrant forward grad mode is off: the inner call must not look like AC001
+    # or AC007, and its repeat during the recompute must not be counted again.
+    report = autockpt.diagnose(NestedNet(outer, inner), (_x(),))
+    assert report.checkpoint_calls == 2 and not report.errors and not report.warnings, \
+        str(report)
 
 
 def test_data_parallel_is_looked_through() -> None:
