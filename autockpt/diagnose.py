@@ -12,9 +12,12 @@ with ``from torch.utils.checkpoint import checkpoint`` (a global of the user's m
 ``autockpt.runtime``), through ``checkpoint_sequential`` (which calls ``checkpoint`` through
 its module's globals) and through PyTorch's ``CheckpointWrapper``, whose instances hold a
 ``functools.partial`` of the function made when they were built. So for the length of the run
-every module global that *is* one of the two functions (or a partial of one) is replaced by a
-recording twin, and so are such attributes of the copied modules; everything is put back in a
-``finally``. The twins pass straight through on threads that are not diagnosing.
+every global that *is* one of the two functions (or a partial of one) is replaced by a
+recording twin: in every module in ``sys.modules``, in the namespaces the model's methods were
+defined in (a doctest, ``exec``'d code) and in those of the calling frames; so are such
+attributes of the copied modules. Everything is put back in a ``finally``, once the last
+concurrent diagnosis ends. The twins pass straight through on threads that are not diagnosing.
+A checkpoint function captured in a closure before the run cannot be reached.
 
 A recorded call notes its call site (the first stack frame outside torch, autockpt and the
 standard library), its flags (``use_reentrant`` and whether it was explicit,
@@ -26,13 +29,27 @@ parameters it reads, whether it draws random numbers, whether it writes into its
 buffers.
 
 # NOTE [ What counts as a buffer update ]
-Version counters are not enough: the CPU BatchNorm kernel writes its running statistics without
-bumping their versions (only ``num_batches_tracked`` moves). A buffer counts as updated by a
-run of the function when an op's schema marks an argument sharing its storage as written
-(``Tensor(a!)``), when its version counter moved, or when the module's ``_buffers`` slot holds
-another tensor afterwards. A buffer updated both in the forward and in the recompute is updated
-twice. autockpt's segments swap clones in for the recompute (NOTE [ Recompute must not update
-buffers twice ] in ``autockpt.runtime``), so the real buffers see no write there.
+Version counters are not enough: the eager CPU BatchNorm kernel writes its running statistics
+without bumping their versions (only ``num_batches_tracked`` moves), and its schema does not
+mark them as written either. So a forward pre-hook on every module of the copy that has buffers
+keeps a copy of their values the first time the module runs inside a watched function, and a
+buffer counts as updated by that run when its value differs afterwards, when its version
+counter moved, when an op's schema marks an argument sharing its storage as written
+(``Tensor(a!)``), or when the module's ``_buffers`` slot holds another tensor. Only modules
+that actually run inside a checkpoint pay for the copies. A buffer updated both in the forward
+and in the recompute is updated twice. autockpt's segments swap clones in for the recompute
+(NOTE [ Recompute must not update buffers twice ] in ``autockpt.runtime``): the copies are
+taken of the clones, and the real buffers are unchanged at the end of the recompute.
+
+# NOTE [ Memory a checkpoint saves ]
+Whether a region saves memory depends on what else holds its tensors, which one run cannot
+show. So where ``torch.fx`` can trace the model, it is traced once more with the checkpoint
+calls inlined (the twins note which graph nodes each call's function creates) and profiled on
+fake tensors (:func:`autockpt.profile.profile`). A region frees the storages that nodes inside
+it save for backward, that nothing outside it saves, and that are not model outputs; it keeps
+its inputs that nothing saves. Freeing no more than it keeps, it saves nothing (AC011, a
+warning); when no node after it saves anything, backward recomputes it first, at the peak
+(AC011, info). Regions are matched with recorded calls by call site and occurrence.
 
 # NOTE [ Recognising autockpt's own calls ]
 A call whose caller frame runs ``autockpt.runtime.run_segment`` is one of autockpt's segments:
