@@ -1073,7 +1073,8 @@ class _Session:
             "them a second time: BatchNorm running statistics move twice per step (with the "
             "second update computed from the same batch), and num_batches_tracked counts "
             "double (pytorch/pytorch#96136).",
-            fix="# keep the module that updates buffers out of the checkpointed function:\n"
+            fix=_AUTOCKPT_REPLAN if call.via == "autockpt" else
+            "# keep the module that updates buffers out of the checkpointed function:\n"
             f"h = {_call_text(call, 'use_reentrant=False')}\n"
             "h = self.bn(h)\n"
             "# or let autockpt checkpoint the model: it restores buffers after a recompute\n"
@@ -1285,8 +1286,8 @@ def _rng_not_preserved(call: _Call) -> Finding:
         "preserve_rng_state=False: the recompute in backward draws a different mask than the "
         "forward did, so the gradients belong to a different function than the one that "
         "produced the loss.",
-        fix=f"h = {_call_text(call, 'use_reentrant=False')}  # preserve_rng_state defaults "
-        "to True",
+        fix=_AUTOCKPT_REPLAN if call.via == "autockpt" else
+        f"h = {_call_text(call, 'use_reentrant=False')}  # preserve_rng_state defaults to True",
     )
 
 
@@ -1365,12 +1366,18 @@ def _reentrant_fix(call: _Call) -> str:
                 "model = autockpt.apply(model, budget_mb=300, example_inputs=(x,), "
                 "mode=\"reentrant\")")
     if call.via == "autockpt":
-        return ("model = autockpt.apply(model, budget_mb=300, example_inputs=(x,), "
-                "mode=\"non_reentrant\")")
+        return _AUTOCKPT_REPLAN
     return (f"h = {_call_text(call, 'use_reentrant=False')}\n"
             "# or keep reentrant and let autockpt add the dummy input it needs:\n"
             "model = autockpt.apply(model, budget_mb=300, example_inputs=(x,), "
             "mode=\"reentrant\")")
+
+
+_AUTOCKPT_REPLAN = (
+    "# autockpt plans dummy inputs, RNG replay and buffer guards from its profile of the\n"
+    "# model: re-plan rather than run an edited or stale plan\n"
+    "model = autockpt.apply(model, budget_mb=300, example_inputs=(x,))"
+)
 
 
 def _call_text(call: _Call, flag: str) -> str:

@@ -159,6 +159,11 @@ def _read(path_or_source: object) -> tuple[str, str]:
 
 
 def _read_file(path: Path) -> str:
+    if path.is_dir():
+        raise InvalidArgumentError(
+            f"{path} is a directory; lint checks one script",
+            fix="pass a .py file: autockpt.lint('train.py')",
+        )
     if not path.is_file():
         raise InvalidArgumentError(
             f"no such file to lint: {path}",

@@ -413,7 +413,7 @@ def test_bad_input(bad: object) -> None:
 def test_missing_file_and_directory(tmp_path: Path) -> None:
     with pytest.raises(autockpt.InvalidArgumentError, match="no such file"):
         autockpt.lint(str(tmp_path / "nope.py"))
-    with pytest.raises(autockpt.InvalidArgumentError, match="no such file"):
+    with pytest.raises(autockpt.InvalidArgumentError, match="is a directory"):
         autockpt.lint(tmp_path)
 
 
