@@ -21,6 +21,7 @@ from autockpt.checkpoints import (
     load_state_dict,
     save_checkpoint,
 )
+from autockpt.diagnose import diagnose
 from autockpt.errors import (
     AutockptError,
     CheckpointError,
@@ -28,6 +29,8 @@ from autockpt.errors import (
     InvalidArgumentError,
     TraceError,
 )
+from autockpt.findings import Finding, Report
+from autockpt.lint import lint
 from autockpt.measure import MemoryReport, measure, track_activation_memory
 from autockpt.planner import STRATEGIES, Plan, Segment
 from autockpt.plot import MemoryCurves, draw_memory, memory_curves, plot_memory
@@ -41,12 +44,14 @@ __all__ = [
     "CheckpointManager",
     "CheckpointRecord",
     "CheckpointWarning",
+    "Finding",
     "InfeasibleBudgetError",
     "InvalidArgumentError",
     "LoadResult",
     "MemoryCurves",
     "MemoryReport",
     "Plan",
+    "Report",
     "ResumableSampler",
     "STRATEGIES",
     "Segment",
@@ -55,7 +60,9 @@ __all__ = [
     "TrainingState",
     "__version__",
     "apply",
+    "diagnose",
     "draw_memory",
+    "lint",
     "load_checkpoint",
     "load_state_dict",
     "measure",

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from autockpt.units import format_bytes, format_flops
 
 if TYPE_CHECKING:
+    from autockpt.findings import Report
     from autockpt.planner import Plan, Segment
 
-__all__ = ["PLAN_COLUMNS", "PLAN_COLUMNS_RIGHT", "format_plan", "format_table", "plan_rows",
-           "plan_summary", "span_label"]
+__all__ = ["PLAN_COLUMNS", "PLAN_COLUMNS_RIGHT", "format_findings", "format_plan", "format_table",
+           "plan_rows", "plan_summary", "span_label"]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool] = ()
@@ -121,3 +123,53 @@ def format_plan(plan: Plan) -> str:
     table = format_table(PLAN_COLUMNS, [cells for _, cells in plan_rows(plan)],
                          right=PLAN_COLUMNS_RIGHT)
     return "\n".join(plan_summary(plan)) + "\n\n" + table
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 or noun == "info" else f"{n} {noun}s"
+
+
+def format_findings(report: Report, *, width: int = 96) -> str:
+    """Render a diagnostics report: a summary line, a table of the findings (most severe
+    first), then each finding's explanation and fix.
+
+    Example:
+        >>> from autockpt.findings import Finding, Report
+        >>> print(format_findings(Report((Finding("AC006", "warning", "train.py:3",
+        ...     "checkpoint() is called without use_reentrant.",
+        ...     "checkpoint(fn, x, use_reentrant=False)"),), subject="train.py")))
+        autockpt report for train.py: 0 errors, 1 warning, 0 info
+        <BLANKLINE>
+        #  severity  code   where       problem
+        -  --------  -----  ----------  -----------------------------------
+        1  warning   AC006  train.py:3  use_reentrant not passed explicitly
+        <BLANKLINE>
+        1. AC006 (warning) at train.py:3
+           checkpoint() is called without use_reentrant.
+           fix:
+             checkpoint(fn, x, use_reentrant=False)
+    """
+    counts = ", ".join([
+        _count(len(report.errors), "error"),
+        _count(len(report.warnings), "warning"),
+        _count(len(report.infos), "info"),
+    ])
+    subject = report.subject or "model"
+    header = f"autockpt report for {subject}: {counts}"
+    if report.checkpoint_calls:
+        header += f" ({_count(report.checkpoint_calls, 'checkpoint call')} observed)"
+    if not report.findings:
+        return header + "\nno findings"
+    rows = [[str(i), f.severity, f.code, f.where, f.title]
+            for i, f in enumerate(report.findings, 1)]
+    table = format_table(["#", "severity", "code", "where", "problem"], rows, right=[True])
+    details = []
+    for i, finding in enumerate(report.findings, 1):
+        lines = [f"{i}. {finding.code} ({finding.severity}) at {finding.where}"]
+        for paragraph in finding.message.splitlines():
+            lines += textwrap.wrap(paragraph, width - 3, initial_indent="   ",
+                                   subsequent_indent="   ") or [""]
+        lines.append("   fix:")
+        lines += [("     " + line).rstrip() for line in finding.fix.splitlines()]
+        details.append("\n".join(lines))
+    return header + "\n\n" + table + "\n\n" + "\n\n".join(details)
