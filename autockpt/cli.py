@@ -1,7 +1,9 @@
 """The ``autockpt`` command line: see the plan, the memory and what checkpointing costs.
 
-    autockpt plan  MODEL --input SHAPE [...] [--budget-mb N | --budget P%] [--plot F] [--json]
-    autockpt bench MODEL --input SHAPE [...] [--budgets 100,50,25] [--json]
+    autockpt plan     MODEL --input SHAPE [...] [--budget-mb N | --budget P%] [--plot F] [--json]
+    autockpt bench    MODEL --input SHAPE [...] [--budgets 100,50,25] [--json]
+    autockpt diagnose MODEL --input SHAPE [...] [--json]
+    autockpt lint     train.py [--json]
 
 ``MODEL`` is ``package.module:factory`` or ``path/to/file.py:factory``; the factory is a class
 or a function called with no arguments that returns an ``nn.Module`` (a module instance is
@@ -10,20 +12,16 @@ optional ``:dtype`` (``--input 16x128:int64``); repeat it, or separate shapes wi
 several inputs. Integer inputs are random ids in ``[0, --vocab)``.
 
 Errors the user can fix print one line, ``autockpt: error: ... (fix: ...)``, and exit with
-status 2; ``--debug`` adds the traceback. Only this module prints.
+status 2; ``--debug`` adds the traceback. ``diagnose`` and ``lint`` exit with status 1 when
+they find an error-severity problem (so they can gate CI), 0 otherwise. Only this module
+prints.
 
 # NOTE [ Adding a subcommand ]
 A subcommand is one function decorated with :func:`subcommand`, which names it, gives its
 help and the argument groups it takes (:func:`model_arguments` for MODEL and the inputs,
 :func:`planning_arguments` for mode and strategy), and receives the parsed arguments and the
 :class:`Ui` to print with. :func:`load_session` turns the arguments into a model and inputs,
-with the helpful errors. ``diagnose`` and ``lint`` arrive this way from another branch::
-
-    @subcommand("diagnose", "what in the model would defeat checkpointing", model_arguments)
-    def _diagnose(args: argparse.Namespace, ui: Ui) -> int:
-        session = load_session(args)
-        ui.text(str(autockpt.diagnose(session.model, session.inputs)))
-        return EXIT_OK
+with the helpful errors. ``diagnose`` below is the shortest example.
 """
 
 from __future__ import annotations
@@ -49,12 +47,14 @@ from torch import nn
 
 import autockpt
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
+from autockpt.findings import Report
 from autockpt.measure import MemoryReport, _format_seconds
 from autockpt.planner import BUDGET_SLACK, MODES, STRATEGIES, Plan
 from autockpt.report import PLAN_COLUMNS, PLAN_COLUMNS_RIGHT, format_table, plan_rows, plan_summary
 from autockpt.units import format_bytes
 
 __all__ = [
+    "EXIT_FINDINGS",
     "EXIT_INTERNAL",
     "EXIT_OK",
     "EXIT_USAGE",
@@ -76,6 +76,8 @@ __all__ = [
 EXIT_OK = 0
 """Exit status of a command that did what it was asked."""
 EXIT_INTERNAL = 1
+EXIT_FINDINGS = 1
+"""``diagnose`` and ``lint`` found an error-severity problem."""
 """Exit status when autockpt itself failed (a bug: rerun with ``--debug`` and report it)."""
 EXIT_USAGE = 2
 """Exit status of a usage error or an error the user can fix (as argparse uses it)."""
@@ -526,7 +528,7 @@ def subcommand(name: str, help: str, *arguments: Callable[[argparse.ArgumentPars
 
     Example:
         >>> sorted(_SUBCOMMANDS)
-        ['bench', 'plan']
+        ['bench', 'diagnose', 'lint', 'plan']
     """
     def register(run: Callable[[argparse.Namespace, Ui], int]
                  ) -> Callable[[argparse.Namespace, Ui], int]:
@@ -863,6 +865,47 @@ def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
     ui.text("recompute: FLOPs run again in backward, in % of one forward; step time: median "
             "step with the plan / without autockpt")
     return EXIT_OK
+
+
+def _json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _show_report(ui: Ui, report: Report, as_json: bool) -> int:
+    if as_json:
+        ui.json({
+            "autockpt_version": autockpt.__version__,
+            "subject": report.subject,
+            "errors": len(report.errors),
+            "warnings": len(report.warnings),
+            "findings": [dataclasses.asdict(f) for f in report],
+        })
+    else:
+        ui.text(str(report), style="bold red" if report.has_errors else None)
+    return EXIT_FINDINGS if report.has_errors else EXIT_OK
+
+
+@subcommand("diagnose", "run one training step on a copy and report the checkpointing "
+            "pitfalls found (exit 1 on errors)", model_arguments, _json_argument)
+def _diagnose_command(args: argparse.Namespace, ui: Ui) -> int:
+    session = load_session(args)
+    return _show_report(ui, autockpt.diagnose(session.model, session.inputs), args.json)
+
+
+def _lint_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("script", metavar="SCRIPT.py", help="the training script to check")
+    _json_argument(parser)
+
+
+@subcommand("lint", "check a training script's source for checkpointing and "
+            "checkpoint-saving pitfalls, without running it (exit 1 on errors)",
+            _lint_arguments)
+def _lint_command(args: argparse.Namespace, ui: Ui) -> int:
+    path = Path(args.script)
+    if not path.is_file():
+        raise InvalidArgumentError(f"no such file: {args.script}",
+                                   fix="pass the path of a Python training script")
+    return _show_report(ui, autockpt.lint(path), args.json)
 
 
 def _key(plan: Plan) -> tuple[tuple[int, int], ...]:

@@ -36,6 +36,21 @@ class TinyLM(nn.Module):
         return self.head(h)
 
 
+class ReentrantOnInput(nn.Module):
+    """The classic pitfall, written by hand: a reentrant checkpoint right after the raw input,
+    so the first layer's weights get no gradient. Input ``8x32``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(32, 32), nn.ReLU())
+        self.rest = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.rest(checkpoint(self.first, x, use_reentrant=True))
+
+
 class TwoInputs(nn.Module):
     """``forward(x, y)``; inputs ``4x32`` and ``4x32``."""
 

@@ -260,3 +260,41 @@ def test_parsers() -> None:
             cli.parse_inputs([bad])
     with pytest.raises(autockpt.InvalidArgumentError):
         cli.parse_budget_percent("0%")
+
+
+# --------------------------------------------------------------------------- diagnose, lint
+
+
+def test_diagnose_exits_1_on_an_error_finding_and_0_on_a_clean_model() -> None:
+    bad = run_cli("diagnose", "tests.cli_models:ReentrantOnInput", "--input", "8x32")
+    assert bad.returncode == 1, bad.stderr
+    assert "AC001" in bad.stdout and "AC003" in bad.stdout and "use_reentrant=False" in bad.stdout
+    clean = run_cli("diagnose", "tests.cli_models:mlp", "--input", "8x128", "--json")
+    assert clean.returncode == 0, clean.stderr
+    data = json.loads(clean.stdout)
+    assert data["errors"] == 0 and all(f["severity"] != "error" for f in data["findings"])
+
+
+def test_lint_exit_status_and_json(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "model = torch.nn.Linear(4, 4)\n"
+        "loader = [(torch.randn(2, 4), torch.randn(2, 4))]\n"
+        "for x, y in loader:\n"
+        "    out = checkpoint(model, x, use_reentrant=True)\n"
+        "    out.sum().backward()\n"
+    )
+    result = run_cli("lint", str(script), "--json")
+    assert result.returncode == 1, result.stderr
+    codes = [f["code"] for f in json.loads(result.stdout)["findings"]]
+    assert "AC001" in codes
+    script.write_text(script.read_text().replace("use_reentrant=True", "use_reentrant=False"))
+    fixed = run_cli("lint", str(script))
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "0 errors" in fixed.stdout
+
+
+def test_lint_missing_file_is_a_one_line_error(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("lint", str(tmp_path / "nope.py")), "no such file")
