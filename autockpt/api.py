@@ -94,7 +94,7 @@ def apply(
     # A transformed module can be applied again: the new one shares the same tree.
     transformed = make_checkpointed(model, config)
     if example_inputs is not None or example_kwargs is not None:
-        args, kwargs = _split_inputs(example_inputs, example_kwargs)
+        args, kwargs = split_inputs(example_inputs, example_kwargs)
         _with_context(transformed, args, kwargs, lambda: transformed._autockpt.prepare(
             transformed, args, kwargs))
     return transformed
@@ -134,7 +134,7 @@ def plan(
             "plan() needs example inputs: activation sizes depend on the input size",
             fix="call autockpt.plan(model, (x,)) with a batch shaped like the real one",
         )
-    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
 
     def run() -> Plan:
         traced = trace(model, args, kwargs)
@@ -210,8 +210,21 @@ def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
         )
 
 
-def _split_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None
-                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def split_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` from the ``example_inputs`` / ``example_kwargs`` the public
+    functions take: a tensor, a tuple or list of positional inputs, or a dict of keyword
+    inputs.
+
+    Example:
+        >>> split_inputs({"x": 1}, {"mask": None})
+        ((), {'x': 1, 'mask': None})
+    """
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise InvalidArgumentError(
+            f"example_kwargs must be a dict, got {type(example_kwargs).__name__}",
+            fix="pass example_kwargs={'mask': mask}",
+        )
     kwargs = dict(example_kwargs or {})
     if example_inputs is None:
         return (), kwargs

@@ -84,6 +84,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autockpt import runtime
+from autockpt.api import split_inputs
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.findings import Finding, Report
 from autockpt.lint import source_with_flag
@@ -185,7 +186,7 @@ def diagnose(
             f"loss_fn must be callable, got {type(loss_fn).__name__}",
             fix="pass loss_fn=lambda out: torch.nn.functional.cross_entropy(out, y)",
         )
-    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
     inner, wrapper = _unwrap(model)
     cpu_state = torch.random.get_rng_state()
     cuda_states = (
@@ -229,29 +230,6 @@ class _Wrapper:
     """DDP's flag (False for other wrappers)."""
     static_graph: bool
     """DDP's flag: with a static graph DDP supports reentrant checkpoint."""
-
-
-def _split_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None
-                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
-        raise InvalidArgumentError(
-            f"example_kwargs must be a dict, got {type(example_kwargs).__name__}",
-            fix="pass example_kwargs={'mask': mask}",
-        )
-    kwargs = dict(example_kwargs or {})
-    if example_inputs is None:
-        return (), kwargs
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), kwargs
-    if isinstance(example_inputs, Mapping):
-        return (), {**dict(example_inputs), **kwargs}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), kwargs
-    raise InvalidArgumentError(
-        f"example_inputs must be a tensor, a tuple of positional inputs or a dict of keyword "
-        f"inputs, got {type(example_inputs).__name__}",
-        fix="pass example_inputs=(x,) for model(x)",
-    )
 
 
 def _unwrap(model: nn.Module) -> tuple[nn.Module, _Wrapper | None]:
