@@ -343,7 +343,7 @@ class _Model:
         backward = after + self.base + c.grad_cross[t] + c.backward_work[t]
         return max(forward, backward), after
 
-    def segment(self, a: int, b: int, before: int, held: int, inputs: int
+    def segment(self, a: int, b: int, held: int, inputs: int
                 ) -> tuple[int, int, int]:
         """Stages ``a..b`` checkpointed: the backward peak, the held bytes after it, and a
         lower bound of the peak that never decreases as ``b`` grows.
@@ -408,7 +408,7 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
             inputs = model.segment_inputs(t, before)
             for u in range(t, b + 1):
                 peak = max(peak, model.segment_forward(t, u, held, inputs))
-            value, held, _ = model.segment(t, b, before, held, inputs)
+            value, held, _ = model.segment(t, b, held, inputs)
             before, t = _CKPT, b + 1
         else:
             value, held = model.plain(t, before, held)
@@ -518,7 +518,7 @@ def _solve(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool
                     break
                 forward0 = max(forward0, model.segment_forward(i, b, 0, inputs))
                 cost += chain.stages[b].cost
-                value0, after0, lower0 = model.segment(i, b, before, 0, inputs)
+                value0, after0, lower0 = model.segment(i, b, 0, inputs)
                 value0 = max(value0, forward0)
                 if limit is not None:
                     if entries[0][0] + max(lower0, forward0) > limit:

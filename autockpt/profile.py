@@ -42,10 +42,14 @@ class _OpWatcher(TorchDispatchMode):
     BatchNorm's running statistics: fake kernels do not bump their version counters.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, old_keys: set[int]) -> None:
         super().__init__()
         self.random = False
         self.written: set[int] = set()
+        # Storages that exist before a node runs (inputs, parameters, earlier activations)
+        # are not part of its working set; the caller adds each node's results.
+        self.old_keys = old_keys
+        self._refs: list[weakref.ref[torch.UntypedStorage]] = []
         self._live: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -73,7 +77,6 @@ class _OpWatcher(TorchDispatchMode):
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
-    _refs: list[weakref.ref[torch.UntypedStorage]]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -230,11 +233,7 @@ class _ProfileRunner(torch.nn.Module):
             return storage_index[key]
 
         flop_counter = FlopCounterMode(display=False)
-        watcher = _OpWatcher()
-        watcher._refs = []
-        # Storages that exist before a node runs (inputs, parameters, earlier activations)
-        # are not part of its working set.
-        watcher.old_keys = set(self._param_keys) | set(self._input_keys)
+        watcher = _OpWatcher(old_keys=set(self._param_keys) | set(self._input_keys))
         with flop_counter, watcher, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             for index, node in enumerate(nodes):
                 flops_before = flop_counter.get_total_flops()

@@ -7,7 +7,6 @@ documented slack is 5%: measured peak <= 1.05 * budget.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import autockpt
 from autockpt.planner import BUDGET_SLACK
