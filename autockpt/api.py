@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import replace
 from numbers import Real
 from typing import Any
 
 import torch
 from torch import nn
 
+from autockpt.capture import CAPTURES
 from autockpt.errors import AutockptError, InvalidArgumentError
-from autockpt.planner import MODES, STRATEGIES, Plan, make_plan
-from autockpt.profile import profile
-from autockpt.rewrite import graph_fingerprint
-from autockpt.runtime import ApplyConfig, is_checkpointed, make_checkpointed
-from autockpt.trace import base_class, bind_inputs, trace
+from autockpt.planner import MODES, STRATEGIES, Plan
+from autockpt.runtime import (ApplyConfig, capture_for, is_checkpointed, make_checkpointed,
+                              plan_graph)
+from autockpt.trace import base_class, bind_inputs
 
 __all__ = ["apply", "plan", "plan_of"]
 
@@ -36,6 +35,7 @@ def apply(
     plan: Plan | None = None,
     mode: str = "non_reentrant",
     strategy: str = "optimal",
+    capture: str = "auto",
 ) -> nn.Module:
     """Return a module that trains like ``model`` with activation memory within ``budget_mb``.
 
@@ -58,6 +58,11 @@ def apply(
         strategy: how segments are chosen: ``"optimal"`` (least recompute under the budget,
             by dynamic programming), ``"greedy"`` (a fast heuristic) or ``"sqrt"`` (Chen et
             al.'s sqrt(n) segments, whatever the budget).
+        capture: how the forward is captured: ``"auto"`` (default) tries ``"fx"``
+            (torch.fx), ``"export"`` (torch.export), ``"fx-leaves"`` (torch.fx with the
+            submodules it cannot trace kept whole) and ``"modules"`` (checkpointing whole
+            submodules, planned with hooks) in that order; name one to use only it. The
+            plan's ``capture`` says which was used and ``capture_reason`` why.
 
     Example:
         >>> import torch, autockpt
@@ -78,6 +83,7 @@ def apply(
     budget_bytes = _budget_bytes(budget_mb)
     _check_choice("mode", mode, MODES)
     _check_choice("strategy", strategy, tuple(STRATEGIES))
+    _check_choice("capture", capture, CAPTURES)
     if plan is not None and not isinstance(plan, Plan):
         raise InvalidArgumentError(
             f"plan must be an autockpt.Plan, got {type(plan).__name__}",
@@ -90,7 +96,8 @@ def apply(
         )
     if plan is not None:
         mode = plan.mode  # a plan's memory estimate holds for the mode it was made for
-    config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan)
+    config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan,
+                         capture=capture)
     # A transformed module can be applied again: the new one shares the same tree.
     transformed = make_checkpointed(model, config)
     if example_inputs is not None or example_kwargs is not None:
@@ -108,6 +115,7 @@ def plan(
     example_kwargs: Mapping[str, Any] | None = None,
     mode: str = "non_reentrant",
     strategy: str = "optimal",
+    capture: str = "auto",
 ) -> Plan:
     """Plan checkpoint segments for ``model`` at these inputs without changing anything.
 
@@ -122,6 +130,8 @@ def plan(
         >>> p.estimated_peak_bytes <= p.budget_bytes
         True
 
+    ``capture`` is as for :func:`apply`.
+
     Raises:
         InvalidArgumentError, TraceError, InfeasibleBudgetError: as for :func:`apply`.
     """
@@ -129,6 +139,7 @@ def plan(
     budget_bytes = _budget_bytes(budget_mb)
     _check_choice("mode", mode, MODES)
     _check_choice("strategy", strategy, tuple(STRATEGIES))
+    _check_choice("capture", capture, CAPTURES)
     if example_inputs is None and example_kwargs is None:
         raise InvalidArgumentError(
             "plan() needs example inputs: activation sizes depend on the input size",
@@ -137,11 +148,9 @@ def plan(
     args, kwargs = split_inputs(example_inputs, example_kwargs)
 
     def run() -> Plan:
-        traced = trace(model, args, kwargs)
-        stats = profile(traced, bind_inputs(model, args, kwargs))
-        result = make_plan(stats, budget_bytes, strategy=strategy, mode=mode,
-                           model=base_class(model).__name__)
-        return replace(result, graph_fingerprint=graph_fingerprint(traced.graph))
+        traced = capture_for(model, args, kwargs, capture)
+        return plan_graph(model, traced, bind_inputs(model, args, kwargs), budget_bytes,
+                          strategy=strategy, mode=mode)
 
     return _with_context(model, args, kwargs, run)
 

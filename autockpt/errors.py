@@ -50,6 +50,8 @@ class TraceError(AutockptError):
     Attributes:
         model_name: class name of the model that failed to trace.
         location: ``file:line`` of the user's source where tracing failed, when known.
+        module_path: qualified name of the innermost submodule being traced when it failed
+            (``""`` for the model's own forward, ``None`` when unknown).
     """
 
     def __init__(
@@ -59,9 +61,11 @@ class TraceError(AutockptError):
         fix: str | None = None,
         model_name: str = "",
         location: str | None = None,
+        module_path: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.location = location
+        self.module_path = module_path
         super().__init__(message, fix=fix)
 
 

@@ -112,6 +112,12 @@ class Plan:
     """A hash of the traced graph's node names and targets."""
     notes: tuple[str, ...] = field(default=())
     """Remarks for the reader (why nothing was checkpointed, for example)."""
+    capture: str = "fx"
+    """How the model's forward was captured: ``"fx"`` (torch.fx), ``"export"``
+    (torch.export), ``"fx-leaves"`` (torch.fx with untraceable submodules kept whole) or
+    ``"modules"`` (module-level planning with hooks); see :mod:`autockpt.capture`."""
+    capture_reason: str = ""
+    """Why the earlier ways of capturing were not used (empty when torch.fx worked)."""
 
     @property
     def recompute_ratio(self) -> float:

@@ -174,6 +174,7 @@ def profile(traced: TracedModel, inputs: dict[str, Any]) -> Profile:
     input_keys = {_storage_key(t) for v in values_in for t in _tensors(v)}
 
     runner = _ProfileRunner(gm, param_keys, input_keys, buffer_names)
+    runner.real_state = dict(named)
     with fake_mode:
         torch.func.functional_call(runner, {f"gm.{k}": v for k, v in fake_state.items()},
                                    tuple(values_in), strict=False)
@@ -244,6 +245,8 @@ class _ProfileRunner(torch.nn.Module):
                     value = next(args_iter)
                 elif node.op == "output":
                     value = None
+                elif node.op == "call_module":
+                    value = self._run_module(interpreter, node, saved_now)
                 else:
                     value = interpreter.run_node(node)
                 interpreter.env[node] = value
@@ -316,6 +319,19 @@ class _ProfileRunner(torch.nn.Module):
                 node.meta["autockpt"] = stat
                 self._stats.append(stat)
 
+    def _run_module(self, interpreter: fx.Interpreter, node: fx.Node,
+                    saved_now: list[torch.Tensor]) -> Any:
+        """Run a leaf module on fake tensors or, if its forward needs tensor values (the
+        reason the fx-leaves rung kept it whole), on real stand-ins; see NOTE [ Leaves that
+        need real values ]."""
+        try:
+            return interpreter.run_node(node)
+        except _DATA_DEPENDENT as err:
+            failure = err
+        args, kwargs = interpreter.fetch_args_kwargs_from_env(node)
+        return _run_real(self.gm, str(node.target), self.real_state, args, kwargs, saved_now,
+                         failure)
+
     def result(self, description: str) -> Profile:
         storages = tuple(
             StorageStat(
@@ -329,6 +345,83 @@ class _ProfileRunner(torch.nn.Module):
             for s in self._storages
         )
         return Profile(nodes=tuple(self._stats), storages=storages, input_signature=description)
+
+
+# NOTE [ Leaves that need real values ]
+# The fx-leaves rung keeps a submodule whole because its forward branches on tensor values
+# (``if x.sum() > 0``); fake tensors have no values, so such a module raises here. It is run
+# once for real instead, on stand-ins of its inputs' shapes and dtypes (random floats, zero
+# integers), with the real parameters and clones of its buffers (so no BatchNorm statistic
+# moves), under a forked RNG. Its saved tensors that are stand-ins for its inputs are mapped
+# back to the fake inputs, so that a saved input counts once, where it was made; its outputs
+# become fake tensors again for the nodes after it. The branch taken on random values may not
+# be the one real data takes: the memory figures of that one module are an approximation.
+
+
+def _data_dependent_errors() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (DataDependentOutputException, DynamicOutputShapeException,
+            GuardOnDataDependentSymNode)
+
+
+_DATA_DEPENDENT = _data_dependent_errors()
+
+
+def _run_real(
+    gm: fx.GraphModule,
+    target: str,
+    real_state: dict[str, torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    saved_now: list[torch.Tensor],
+    failure: BaseException,
+) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.utils._pytree import tree_map
+
+    fake_of: dict[int, torch.Tensor] = {}
+
+    def stand_in(value: Any) -> Any:
+        if not isinstance(value, FakeTensor):
+            return value
+        if value.dtype.is_floating_point or value.dtype.is_complex:
+            real = torch.randn(value.shape, dtype=value.dtype)
+        else:
+            real = torch.zeros(value.shape, dtype=value.dtype)
+        real.requires_grad_(value.requires_grad)
+        fake_of[_storage_key(real)] = value
+        return real
+
+    fake_mode = next((v.fake_mode for v in _tensors((args, kwargs)) if isinstance(v, FakeTensor)),
+                     None)
+    if fake_mode is None:
+        raise failure
+    prefix = f"{target}."
+    module = gm.get_submodule(target)
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
+        state = {
+            name[len(prefix):]: (t.detach().clone() if name[len(prefix):] in dict(
+                module.named_buffers()) else t)
+            for name, t in real_state.items() if name.startswith(prefix)
+        }
+        real_args, real_kwargs = tree_map(stand_in, (args, kwargs))
+        start = len(saved_now)
+        out = torch.func.functional_call(module, state, real_args, real_kwargs, strict=False)
+        flags = [t.requires_grad for t in _tensors(out)]
+        out = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
+    for i in range(start, len(saved_now)):
+        saved_now[i] = fake_of.get(_storage_key(saved_now[i]), saved_now[i])
+    flag = iter(flags)
+
+    def to_fake(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            return fake_mode.from_tensor(value).requires_grad_(next(flag))
+        return value
+
+    return tree_map(to_fake, out)
 
 
 def _target_name(node: fx.Node) -> str:

@@ -53,6 +53,15 @@ PLAN_COLUMNS_RIGHT = (True, False, True, True, True, True, False, False)
 """Which of :data:`PLAN_COLUMNS` hold numbers and are right-aligned."""
 
 
+CAPTURE_LABELS = {
+    "fx": "torch.fx",
+    "export": "torch.export",
+    "fx-leaves": "torch.fx, untraceable submodules kept whole",
+    "modules": "module hooks (checkpointing whole submodules)",
+}
+"""How a plan's ``capture`` is named in its printed header."""
+
+
 def plan_summary(plan: Plan) -> list[str]:
     """The header lines of a printed plan: model, mode, peaks, budget, recompute, counts.
 
@@ -76,6 +85,11 @@ def plan_summary(plan: Plan) -> list[str]:
         f"  recompute       {format_flops(plan.recompute_flops)} ({ratio})",
         f"  segments        {len(plan.segments)} checkpointed, {len(plan.skipped)} left alone",
     ]
+    if plan.capture != "fx":
+        # Only worth a line when the first rung of the ladder failed: it says why.
+        header.append(f"  captured by     {CAPTURE_LABELS.get(plan.capture, plan.capture)}")
+        if plan.capture_reason:
+            header.append(f"    because {plan.capture_reason}")
     return header + [f"  note: {note}" for note in plan.notes]
 
 

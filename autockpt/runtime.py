@@ -31,11 +31,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autockpt.errors import AutockptError
+from autockpt.capture import capture, capture_reason_for_modules
+from autockpt.errors import AutockptError, TraceError
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import profile
 from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
-from autockpt.trace import TracedModel, base_class, bind_inputs, trace
+from autockpt.trace import TracedModel, base_class, bind_inputs
 
 __all__ = [
     "ApplyConfig",
@@ -43,6 +44,8 @@ __all__ = [
     "checkpointed_class",
     "make_checkpointed",
     "is_checkpointed",
+    "plan_graph",
+    "capture_for",
     "run_segment",
 ]
 
@@ -62,6 +65,8 @@ class ApplyConfig:
     """Name of the planning strategy."""
     fixed_plan: Plan | None = None
     """A plan given by the user: applied as it is to every input size."""
+    capture: str = "auto"
+    """How to capture the forward (see :data:`autockpt.capture.CAPTURES`)."""
 
 
 @dataclass
@@ -70,6 +75,18 @@ class _Variant:
     plan: Plan
     program: Program | None
     param_names: tuple[str, ...]
+    flatten: Callable[[dict[str, Any]], tuple[Any, ...]] | None = None
+    unflatten: Callable[[Any], Any] | None = None
+
+    def run(self, module: nn.Module, arguments: dict[str, Any]) -> Any:
+        """The rewritten forward on a call bound to ``arguments``."""
+        assert self.program is not None
+        if self.flatten is not None:
+            inputs = self.flatten(arguments)
+        else:
+            inputs = tuple(arguments[name] for name in self.param_names)
+        out = self.program.forward(module, *inputs)
+        return out if self.unflatten is None else self.unflatten(out)
 
 
 class RuntimeState:
@@ -128,32 +145,63 @@ class RuntimeState:
         key: tuple[Any, ...],
         known: Plan | None,
     ) -> _Variant:
-        traced = trace(module, args, kwargs)
-        fingerprint = graph_fingerprint(traced.graph)
         plan = known if known is not None else self.config.fixed_plan
+        # A given plan is re-applied to a graph captured the way it was made.
+        method = plan.capture if plan is not None else self.config.capture
+        traced = capture_for(module, args, kwargs, method)
+        fingerprint = graph_fingerprint(traced.graph)
         if plan is not None:
             check_plan_fits(plan, traced, fingerprint)
         else:
-            stats = profile(traced, arguments)
-            plan = make_plan(
-                stats,
-                self.config.budget_bytes,
-                strategy=self.config.strategy,
-                mode=self.config.mode,
-                model=base_class(module).__name__,
-            )
-            plan = replace(plan, graph_fingerprint=fingerprint)
+            plan = plan_graph(module, traced, arguments, self.config.budget_bytes,
+                              strategy=self.config.strategy, mode=self.config.mode)
         variant_id = self._next_id
         self._next_id += 1
         program = compile_plan(module, traced, plan, variant_id)
         variant = _Variant(key=key, plan=plan, program=program,
-                           param_names=traced.spec.param_names)
+                           param_names=traced.spec.param_names, flatten=traced.flatten,
+                           unflatten=traced.unflatten)
         self.variants[key] = variant
         self.by_id[variant_id] = variant
         while len(self.variants) > MAX_VARIANTS:
             _, old = self.variants.popitem(last=False)
             self.by_id = {i: v for i, v in self.by_id.items() if v is not old}
         return variant
+
+
+def capture_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], method: str
+                ) -> TracedModel:
+    """Capture a graph with the ladder of :mod:`autockpt.capture`."""
+    traced = capture(module, args, kwargs, method)
+    if traced is None:
+        # TODO(issue 7): module-level planning; until it lands, say why nothing worked.
+        reason = capture_reason_for_modules(module, args, kwargs)
+        raise TraceError(
+            f"{base_class(module).__name__} could not be captured as a graph ({reason})",
+            fix="avoid data-dependent Python control flow in forward (use torch.where), or "
+            "check the first error above",
+            model_name=base_class(module).__name__,
+        )
+    return traced
+
+
+def plan_graph(
+    module: nn.Module,
+    traced: TracedModel,
+    arguments: dict[str, Any],
+    budget_bytes: int | None,
+    *,
+    strategy: str,
+    mode: str,
+) -> Plan:
+    """Profile a captured graph on fake tensors and plan it (what :func:`autockpt.plan` and
+    the first training forward of a transformed module both do)."""
+    inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
+    stats = profile(traced, inputs)
+    plan = make_plan(stats, budget_bytes, strategy=strategy, mode=mode,
+                     model=base_class(module).__name__)
+    return replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
+                   capture=traced.capture, capture_reason=traced.capture_reason)
 
 
 def check_plan_fits(plan: Plan, traced: TracedModel, fingerprint: str) -> None:
@@ -293,8 +341,7 @@ class _CheckpointedMixin:
         if state is None or not module.training or not torch.is_grad_enabled():
             return self._autockpt_base.forward(module, *args, **kwargs)
         variant, arguments = state.variant_for(module, args, kwargs)
-        assert variant.program is not None
-        return variant.program.forward(module, *(arguments[n] for n in variant.param_names))
+        return variant.run(module, arguments)
 
     def _autockpt_run(self, variant_id: int, index: int, *inputs: Any) -> Any:
         state: RuntimeState = self.__dict__["_autockpt"]

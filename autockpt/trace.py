@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import inspect
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,13 +52,32 @@ class TracedModel:
     """The traced graph in a GraphModule whose submodules are the user's own objects."""
     spec: TraceSpec
     """Which forward parameters were constants when traced."""
-    constants: dict[str, torch.Tensor]
+    constants: dict[str, Any]
     """Tensor constants the tracer created (``_tensor_constant0``...), by attribute name: they
     are not part of the user's module and must travel with the rewritten forward."""
+    capture: str = "fx"
+    """Which rung of the capture ladder made the graph (see :mod:`autockpt.capture`)."""
+    capture_reason: str = ""
+    """Why the rungs before it were not used."""
+    flatten: Callable[[dict[str, Any]], tuple[Any, ...]] | None = field(default=None, repr=False)
+    """Maps the forward's bound arguments to the graph's placeholders, in order; ``None``
+    means one placeholder per name in ``spec.param_names``."""
+    unflatten: Callable[[Any], Any] | None = field(default=None, repr=False)
+    """Rebuilds the forward's real output from what the graph returns; ``None``: as it is."""
 
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
+
+    def graph_inputs(self, arguments: dict[str, Any]) -> tuple[Any, ...]:
+        """The values of the graph's placeholders for a call bound to ``arguments``."""
+        if self.flatten is not None:
+            return self.flatten(arguments)
+        return tuple(arguments[name] for name in self.spec.param_names)
+
+    def graph_output(self, value: Any) -> Any:
+        """The forward's output from the graph's."""
+        return value if self.unflatten is None else self.unflatten(value)
 
 
 def base_class(module: nn.Module) -> type[nn.Module]:
@@ -145,8 +165,39 @@ def _user_frame(err: BaseException) -> str | None:
     return location
 
 
+class _LeafTracer(fx.Tracer):
+    """An fx tracer that keeps the named submodules whole and remembers which submodule it
+    was inside when tracing failed (the next one to keep whole)."""
+
+    def __init__(self, leaves: Sequence[str]) -> None:
+        super().__init__()
+        self.leaves = frozenset(leaves)
+        self.stack: list[str] = []
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaves or super().is_leaf_module(
+            m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        name = self.path_of_module(m)
+        self.stack.append(name)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = name
+            raise
+        finally:
+            self.stack.pop()
+
+
 def trace(
-    module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    module: nn.Module,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    leaves: Sequence[str] = (),
 ) -> TracedModel:
     """Trace ``module`` in train mode with torch.fx.
 
@@ -159,9 +210,12 @@ def trace(
         >>> [n.op for n in traced.graph.nodes]
         ['placeholder', 'call_module', 'output']
 
+    ``leaves`` names submodules (by qualified name) to keep whole, as ``call_module`` nodes.
+
     Raises:
         TraceError: the model's forward cannot be traced by torch.fx; the message names the
-            line of the user's code where tracing failed.
+            line of the user's code where tracing failed, and ``module_path`` the innermost
+            submodule being traced then.
     """
     kwargs = {} if kwargs is None else kwargs
     cls = base_class(module)
@@ -174,9 +228,10 @@ def trace(
     )
     view = shallow_view(module, cls)
     flags = [(m, m.training) for m in view.modules()]
+    tracer = _LeafTracer(leaves)
     try:
         view.train()
-        graph = fx.Tracer().trace(view, concrete_args=dict(constants) or None)
+        graph = tracer.trace(view, concrete_args=dict(constants) or None)
         graph_module = fx.GraphModule(view, graph, class_name=cls.__name__)
     except Exception as err:  # fx raises many kinds; all mean "not traceable"
         location = _user_frame(err)
@@ -187,6 +242,7 @@ def trace(
             "mark the submodule that fails as a leaf; see docs/how-it-works.md",
             model_name=cls.__name__,
             location=location,
+            module_path=tracer.failed_in if tracer.failed_in is not None else "",
         ) from err
     finally:
         for mod, was_training in flags:
@@ -199,6 +255,7 @@ def trace(
         graph_module=graph_module,
         spec=TraceSpec(param_names=names, constants=constants),
         constants=tensor_constants,
+        capture="fx-leaves" if leaves else "fx",
     )
 
 

@@ -94,7 +94,7 @@ def test_untraceable_model_names_the_line() -> None:
     model = Untraceable()
     snap = _snapshot(model)
     with pytest.raises(autockpt.TraceError) as info:
-        autockpt.apply(model, 10, example_inputs=(torch.randn(2, 4),))
+        autockpt.apply(model, 10, example_inputs=(torch.randn(2, 4),), capture="fx")
     err = info.value
     assert err.location is not None and __file__ in err.location
     assert "Untraceable" in str(err) and "fix:" in str(err)

@@ -1,0 +1,280 @@
+"""Stage 1: capture a model's forward as a graph, falling back rung by rung.
+
+Most models people train were not written for torch.fx: a Hugging Face transformer fails to
+trace on its first ``if attention_mask is not None`` check of a tensor's size, a diffusers UNet
+on ``len`` of a proxy. :func:`capture` tries, in order:
+
+1. ``"fx"``: :func:`torch.fx.symbolic_trace`-style tracing of the whole forward
+   (:func:`autockpt.trace.trace`); the graph names the model's own submodules.
+2. ``"export"``: :func:`torch.export.export` (non-strict, train mode). Its graph holds aten
+   ops whose ``nn_module_stack`` still names the modules, reads parameters and buffers by
+   their qualified names, and takes and returns pytree-flattened values, so keyword inputs,
+   ``None`` arguments and ``ModelOutput`` results pass through.
+3. ``"fx-leaves"``: torch.fx again, with each submodule in which tracing failed kept whole
+   as a leaf (a ``call_module`` node the profiler runs as a black box).
+4. ``"modules"``: no graph at all: module-level planning with hooks
+   (:mod:`autockpt.modules`), which checkpoints whole submodules such as
+   ``model.layers[i]``.
+
+The first rung that works is used; the plan's ``capture`` field says which one, and
+``capture_reason`` why the earlier ones were not.
+
+# NOTE [ Export in train mode, on a view ]
+Like fx, export bakes ``if self.training:`` branches into the graph, so it runs in train mode
+(the flags are restored after). It runs on a ``shallow_view`` of the user's module, so nothing
+export registers while it runs lands on the user's object, and it is called with every
+forward parameter passed by name, so that the graph's input structure does not depend on
+whether the caller passed a value positionally or by keyword. The exported module's
+``_guards_fn`` (a check that the inputs match what was exported) is dropped: the runtime
+already keeps one graph per input signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autockpt.errors import AutockptError, TraceError
+from autockpt.trace import TraceSpec, TracedModel, base_class, bind_inputs, shallow_view, trace
+
+__all__ = ["CAPTURES", "RUNGS", "capture", "export_trace", "trace_with_leaves"]
+
+RUNGS = ("fx", "export", "fx-leaves", "modules")
+"""The ways of capturing a forward, in the order ``"auto"`` tries them."""
+
+CAPTURES = ("auto", *RUNGS)
+"""Valid values of the ``capture`` argument of :func:`autockpt.apply` and :func:`autockpt.plan`."""
+
+MAX_LEAVES = 32
+"""How many untraceable submodules the ``"fx-leaves"`` rung keeps whole before giving up."""
+
+
+def capture(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    method: str = "auto",
+) -> TracedModel | None:
+    """Capture ``module``'s forward for these inputs with the first rung that works.
+
+    Returns ``None`` when only the ``"modules"`` rung is left (or asked for): the caller
+    plans over submodules instead of a graph (see :mod:`autockpt.modules`).
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = torch.nn.Linear(4, 4)
+        ...     def forward(self, x):
+        ...         if x.shape[0] > 4:  # fx cannot branch on a traced size; export can
+        ...             x = x * 2
+        ...         return self.fc(x)
+        >>> traced = capture(Net(), (torch.randn(8, 4),), {})
+        >>> traced.capture, traced.capture_reason.startswith("fx: torch.fx could not trace Net")
+        ('export', True)
+
+    Raises:
+        TraceError: ``method`` names a graph rung and it failed (``"auto"`` never raises it
+            for an untraceable model: it ends at ``"modules"``).
+    """
+    reasons: list[str] = []
+    rungs = RUNGS if method == "auto" else (method,)
+    for rung in rungs:
+        if rung == "modules":
+            return None
+        try:
+            if rung == "fx":
+                traced = trace(module, args, kwargs)
+            elif rung == "export":
+                traced = export_trace(module, args, kwargs)
+            else:
+                traced = trace_with_leaves(module, args, kwargs)
+        except TraceError as err:
+            if method != "auto":
+                raise
+            reasons.append(f"{rung}: {_first_line(err.message)}")
+            continue
+        traced.capture_reason = "; ".join(reasons)
+        return traced
+    raise AssertionError("unreachable: the ladder ends with 'modules'")
+
+
+def capture_reason_for_modules(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                               ) -> str:
+    """Why the graph rungs failed, for a plan made by the ``"modules"`` rung under ``"auto"``."""
+    reasons = []
+    for rung, fn in (("fx", trace), ("export", export_trace), ("fx-leaves", trace_with_leaves)):
+        try:
+            fn(module, args, kwargs)
+        except TraceError as err:
+            reasons.append(f"{rung}: {_first_line(err.message)}")
+    return "; ".join(reasons)
+
+
+def _first_line(message: str, limit: int = 160) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- rung 2: export
+
+
+def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> TracedModel:
+    """Capture the forward with :func:`torch.export.export` (non-strict, train mode).
+
+    See NOTE [ Export in train mode, on a view ].
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> traced = export_trace(net, (torch.randn(1, 2),), {})
+        >>> [n.op for n in traced.graph.nodes]
+        ['placeholder', 'get_attr', 'get_attr', 'call_function', 'output']
+
+    Raises:
+        TraceError: torch.export failed; the message says why.
+    """
+    import torch.fx._pytree as fx_pytree
+    import torch.utils._pytree as pytree
+
+    cls = base_class(module)
+    arguments = bind_inputs(module, args, kwargs)
+    view = shallow_view(module, cls)
+    flags = [(m, m.training) for m in view.modules()]
+    try:
+        view.train()
+        exported = torch.export.export(view, (), dict(arguments), strict=False)
+    except Exception as err:  # export raises many kinds; all mean "not exportable"
+        raise TraceError(
+            f"torch.export could not export {cls.__name__}: {type(err).__name__}: "
+            f"{_first_line(str(err), 400)}",
+            fix="see the torch.export error above; autockpt.apply(..., capture='modules') "
+            "checkpoints whole submodules without a graph",
+            model_name=cls.__name__,
+        ) from err
+    finally:
+        for mod, was_training in flags:
+            mod.training = was_training
+    unlifted = exported.module()
+    in_spec, out_spec = unlifted._in_spec, unlifted._out_spec
+    graph = fx.Graph()
+    out = graph.graph_copy(unlifted.graph, {})
+    graph.output(out)
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target) == "_guards_fn" and not node.users:
+            graph.erase_node(node)
+    # Export reads parameters (get_attr) before the inputs; the planner expects the inputs
+    # first, as fx puts them, so that no segment can start before an input exists.
+    first = next(iter(graph.nodes))
+    for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        if node is not first:
+            first.prepend(node)
+    graph.lint()
+    graph_module = fx.GraphModule(unlifted, graph, class_name=cls.__name__)
+    _check_shared_state(module, graph_module)
+    placeholders = tuple(n.name for n in graph.nodes if n.op == "placeholder")
+
+    def flatten(bound: dict[str, Any]) -> tuple[Any, ...]:
+        flat = fx_pytree.tree_flatten_spec(((), dict(bound)), in_spec)
+        if len(flat) != len(placeholders):
+            raise AutockptError(
+                f"internal error: the exported graph takes {len(placeholders)} inputs, the "
+                f"call gives {len(flat)}",
+                fix="please report this with the model; pass capture='modules' meanwhile",
+            )
+        return tuple(flat)
+
+    def unflatten(value: Any) -> Any:
+        return pytree.tree_unflatten(list(value), out_spec)
+
+    constants = {
+        str(node.target): _fetch(graph_module, str(node.target))
+        for node in graph.nodes
+        if node.op == "get_attr" and not _has_path(module, str(node.target))
+    }
+    return TracedModel(
+        graph_module=graph_module,
+        spec=TraceSpec(param_names=placeholders, constants=()),
+        constants=constants,
+        capture="export",
+        flatten=flatten,
+        unflatten=unflatten,
+    )
+
+
+def _check_shared_state(module: nn.Module, graph_module: fx.GraphModule) -> None:
+    """The exported graph must read the user's very Parameter objects: the segments fetch
+    them from the user's module by the same names at run time."""
+    own = dict(module.named_parameters(remove_duplicate=False))
+    for name, param in graph_module.named_parameters():
+        if name in own and own[name] is not param:
+            raise TraceError(
+                f"torch.export copied parameter {name!r} instead of sharing it",
+                fix="pass capture='modules' to checkpoint whole submodules without a graph",
+                model_name=base_class(module).__name__,
+            )
+
+
+def _fetch(root: Any, target: str) -> Any:
+    obj = root
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _has_path(module: nn.Module, target: str) -> bool:
+    obj: Any = module
+    for atom in target.split("."):
+        if not hasattr(obj, atom):
+            return False
+        obj = getattr(obj, atom)
+    return True
+
+
+# --------------------------------------------------------------------------- rung 3: leaves
+
+
+def trace_with_leaves(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      *, leaves: Sequence[str] = ()) -> TracedModel:
+    """Trace with torch.fx, keeping each submodule in which tracing fails whole.
+
+    Tracing is retried with the failing submodule added to the leaves until it succeeds; a
+    failure in the model's own forward (outside any submodule) cannot be helped this way.
+
+    Example:
+        >>> import torch
+        >>> class Gate(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x if x.sum() > 0 else -x  # data-dependent: fx cannot trace it
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), Gate(), torch.nn.Linear(4, 4))
+        >>> traced = trace_with_leaves(net, (torch.randn(2, 4),), {})
+        >>> [str(n.target) for n in traced.graph.nodes if n.op == "call_module"]
+        ['0', '1', '2']
+
+    Raises:
+        TraceError: tracing failed outside any submodule, or in too many of them.
+    """
+    kept = list(leaves)
+    while True:
+        try:
+            return trace(module, args, kwargs, leaves=kept)
+        except TraceError as err:
+            path = err.module_path
+            if not path or path in kept or len(kept) >= MAX_LEAVES:
+                where = "in the model's own forward" if not path else f"in {path!r}"
+                raise TraceError(
+                    f"torch.fx fails {where} even with {len(kept)} submodules kept whole "
+                    f"({', '.join(kept) or 'none'}): {_first_line(err.message)}",
+                    fix="autockpt.apply(..., capture='modules') checkpoints whole submodules "
+                    "without a graph",
+                    model_name=err.model_name,
+                    location=err.location,
+                    module_path=path,
+                ) from err
+            kept.append(path)

@@ -1,0 +1,196 @@
+"""The capture ladder: models torch.fx cannot trace still train right, through torch.export
+or with their untraceable submodules kept whole.
+
+Each model is trained one step with and without autockpt and compared tensor by tensor (loss,
+every gradient, every buffer); the measured peak must be within the budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt.planner import BUDGET_SLACK
+from tests.test_apply_zoo import _assert_same_step
+from tests.zoo import ZooCase, clone_case, flatten_output
+
+MODES = ("non_reentrant", "reentrant")
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        if mask is not None:
+            h = h * mask
+        return x + self.drop(h)
+
+
+class ShapeBranches(nn.Module):
+    """torch.fx cannot branch on a traced size (``x.shape[0] > 1``); torch.export can.
+
+    Also: keyword inputs with ``None`` defaults and a float, a dict-with-tuple output, tied
+    embedding and head weights, BatchNorm statistics and dropout.
+    """
+
+    def __init__(self, vocab: int = 50, width: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.bn = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in most language models
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_bias: torch.Tensor | None = None, scale: float = 1.0
+                ) -> dict[str, object]:
+        x = self.embed(input_ids) * scale
+        if x.shape[0] > 1:
+            x = x + x.flip(0) * 0.5
+        mask = None if attention_mask is None else attention_mask.unsqueeze(-1).to(x.dtype)
+        for block in self.blocks:
+            x = block(x, mask)
+        pooled = self.bn(x.mean(1))
+        return {"logits": self.head(x), "extra": (pooled, x.shape[-1])}
+
+
+class _Gate(nn.Module):
+    """Data-dependent Python control flow: neither torch.fx nor torch.export can capture it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return torch.relu(self.proj(x))
+        return torch.tanh(self.proj(x))
+
+
+class GatedNet(nn.Module):
+    """Regular layers around submodules that only the fx-with-leaves rung can handle."""
+
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.GELU(),
+                          _Gate(width), nn.Dropout(0.1))
+            for _ in range(depth)
+        )
+        self.out = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.out(x)
+
+
+def _seeded(cls: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return cls().train()
+
+
+def _loss(output: object) -> torch.Tensor:
+    if isinstance(output, dict):
+        output = [output["logits"], output["extra"][0]]
+    return sum(t.float().pow(2).mean() for t in flatten_output(output))  # type: ignore[return-value]
+
+
+def _token_inputs() -> tuple[tuple[object, ...], dict[str, object]]:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 50, (4, 24), generator=g)
+    mask = (torch.rand(4, 24, generator=g) > 0.2).long()
+    return (ids,), {"attention_mask": mask, "scale": 0.5}
+
+
+def _vector_inputs() -> tuple[tuple[object, ...], dict[str, object]]:
+    return (torch.randn(32, 64, generator=torch.Generator().manual_seed(3)),), {}
+
+
+CASES = [
+    (ZooCase("shape_branches", lambda: _seeded(ShapeBranches), _token_inputs, _loss), "export"),
+    (ZooCase("gated", lambda: _seeded(GatedNet), _vector_inputs, _loss), "fx-leaves"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fraction", [0.5, "min"])
+@pytest.mark.parametrize("case, rung", CASES, ids=[c.name for c, _ in CASES])
+def test_untraceable_models_train_like_the_original(case: ZooCase, rung: str, fraction: object,
+                                                   mode: str) -> None:
+    reference, model = clone_case(case)
+    args, kwargs = case.inputs()
+    probe = autockpt.plan(model, args, example_kwargs=kwargs, mode=mode)
+    assert probe.capture == rung
+    assert probe.capture_reason.startswith("fx: torch.fx could not trace")
+    budget = probe.min_peak_bytes if fraction == "min" else int(probe.baseline_peak_bytes * 0.5)
+    keys = list(model.state_dict())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    transformed = autockpt.apply(model, budget / 2**20, example_inputs=args,
+                                 example_kwargs=kwargs, mode=mode)
+    plan = autockpt.plan_of(transformed)
+    assert plan.capture == rung and plan.segments, "nothing was checkpointed"
+    assert list(transformed.state_dict()) == keys
+    for name, param in transformed.named_parameters(remove_duplicate=False):
+        assert param is params[name]
+    _assert_same_step(case, reference, transformed)
+    report = autockpt.measure(transformed, args, example_kwargs=kwargs, loss_fn=case.loss_fn)
+    assert report.peak_activation_bytes <= budget * (1 + BUDGET_SLACK)
+
+
+def test_exported_model_returns_the_original_output_structure() -> None:
+    case = CASES[0][0]
+    args, kwargs = case.inputs()
+    transformed = autockpt.apply(case.build(), None, example_inputs=args, example_kwargs=kwargs)
+    out = transformed(*args, **kwargs)
+    assert set(out) == {"logits", "extra"} and out["extra"][1] == 32
+    assert isinstance(out["extra"], tuple) and out["logits"].shape == (4, 24, 50)
+    transformed.eval()  # eval runs the original forward (an exported module cannot eval)
+    with torch.no_grad():
+        assert transformed(*args, **kwargs)["logits"].shape == (4, 24, 50)
+
+
+def test_a_new_input_signature_is_exported_again() -> None:
+    case = CASES[0][0]
+    args, kwargs = case.inputs()
+    transformed = autockpt.apply(case.build(), None)
+    transformed(*args, **kwargs)
+    first = autockpt.plan_of(transformed)
+    transformed(args[0][:2], attention_mask=None)  # other batch size, no mask
+    second = autockpt.plan_of(transformed)
+    assert first.capture == second.capture == "export"
+    assert first.input_signature != second.input_signature
+
+
+def test_a_named_rung_is_used_alone() -> None:
+    case = CASES[0][0]
+    args, kwargs = case.inputs()
+    with pytest.raises(autockpt.TraceError, match="torch.fx could not trace ShapeBranches"):
+        autockpt.plan(case.build(), args, example_kwargs=kwargs, capture="fx")
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    assert autockpt.plan(net, (torch.randn(2, 8),), capture="export").capture == "export"
+    assert autockpt.plan(net, (torch.randn(2, 8),)).capture == "fx"
+
+
+def test_fx_leaves_keeps_only_the_untraceable_submodules_whole() -> None:
+    case = CASES[1][0]
+    args, kwargs = case.inputs()
+    plan = autockpt.plan(case.build(), args, capture="fx-leaves")
+    assert "export: torch.export could not export" not in plan.capture_reason  # named: alone
+    text = str(plan)
+    assert "captured by     torch.fx, untraceable submodules kept whole" in text
+
+
+def test_unknown_capture_lists_the_valid_ones() -> None:
+    with pytest.raises(autockpt.InvalidArgumentError, match="unknown capture 'jit'") as info:
+        autockpt.apply(nn.Linear(2, 2), capture="jit")
+    for name in ("'auto'", "'fx'", "'export'", "'fx-leaves'", "'modules'"):
+        assert name in str(info.value)
