@@ -568,8 +568,9 @@ def _summarise(module: nn.Module, session: _Session, output: Any, args: tuple[An
         saved = {serial for _, serial, _ in session.saved[i:j]}
         r0, r1 = between(rec.random_ops, c.start, c.end)
         w0, w1 = between(old_write_ops, c.start, c.end)
-        mutated = sorted({session.buffer_names[k] for _, k in rec.old_writes[w0:w1]
-                          if k in session.buffer_names})
+        mutated = sorted(_with_siblings(module, {
+            session.buffer_names[k] for _, k in rec.old_writes[w0:w1]
+            if k in session.buffer_names}))
         calls.append(ModuleCall(
             qualname=c.qualname, class_name=type(c.module).__name__, calls=c.calls,
             start=c.start, end=c.end, input_bytes=c.input_bytes, output_bytes=c.output_bytes,
@@ -593,6 +594,18 @@ def _summarise(module: nn.Module, session: _Session, output: Any, args: tuple[An
         calls=tuple(calls), blocks=blocks, block_nodes=block_nodes, checkpointable=safe,
         block_inputs_grad=tuple(input_grad[b] for b in blocks), profile=stats, fake=fake,
         notes=tuple(notes))
+
+
+def _with_siblings(module: nn.Module, buffers: set[str]) -> set[str]:
+    """``buffers`` plus the other buffers of their modules: a module's buffers are updated
+    as a set, and not every kernel declares each write (BatchNorm's running statistics)."""
+    out = set(buffers)
+    for qualname in buffers:
+        owner_path = qualname.rpartition(".")[0]
+        owner = module.get_submodule(owner_path)
+        prefix = f"{owner_path}." if owner_path else ""
+        out.update(f"{prefix}{name}" for name, _ in owner.named_buffers(recurse=False))
+    return out
 
 
 def _chain_profile(session: _Session, chain: list[ModuleCall], output: Any,
@@ -674,6 +687,24 @@ def _chain_profile(session: _Session, chain: list[ModuleCall], output: Any,
         elif serial in alive:
             alive.discard(serial)
             running += delta
+    # A block is one node, so the planner cannot see the gradients its backward allocates
+    # op by op; chain.py reads them off ``work_bytes - (what the node saves itself)``. So a
+    # block's work also covers, for its largest op, the gradients of the op's inputs and
+    # output on top of what it saves.
+    op_grads: dict[int, int] = {}
+    for op, serial, needs_grad in rec.reads:
+        if needs_grad or grad[serial]:
+            op_grads[op] = op_grads.get(op, 0) + rec.sizes[serial]
+    for serial, op in enumerate(rec.produced_at):
+        if grad[serial]:
+            op_grads[op] = op_grads.get(op, 0) + rec.sizes[serial]
+    own_saved = [0] * n
+    for serial in range(count):
+        if producer[serial] in saved_by[serial]:
+            own_saved[producer[serial]] += rec.sizes[serial]
+    for op, total in op_grads.items():
+        node = node_of(op)
+        work[node] = max(work[node], own_saved[node] + total)
     users_of: list[set[int]] = [set() for _ in range(n)]
     for node, producers in enumerate(node_reads):
         for p in producers:
@@ -759,7 +790,23 @@ def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str
         InfeasibleBudgetError: no choice of blocks fits; ``min_feasible_bytes`` says what does.
         InvalidArgumentError: an unknown strategy or mode.
     """
-    plan = make_plan(prof.profile, budget_bytes, strategy=strategy, mode=mode, model=prof.model)
+    stats = prof.profile
+    if mode == "reentrant":
+        # Reentrant backward re-runs a block to its outputs and backpropagates through them
+        # on its own: the recomputed outputs, their gradients and the gradients of its
+        # detached inputs are alive at once. The memory model counts these from the tensors
+        # crossing a segment's ends, but a block's hand-offs are long-lived here (NOTE [ One
+        # checkpoint per block ]), so they are added to the block's working set.
+        handed = [0] * len(stats.nodes)
+        for st in stats.storages:
+            if any(u > st.producer for u in st.users):
+                handed[st.producer] += st.size_bytes
+        nodes = list(stats.nodes)
+        for k, index in enumerate(prof.block_nodes):
+            extra = 2 * handed[index] + prof.call(prof.blocks[k]).input_bytes
+            nodes[index] = replace(nodes[index], work_bytes=nodes[index].work_bytes + extra)
+        stats = replace(stats, nodes=tuple(nodes))
+    plan = make_plan(stats, budget_bytes, strategy=strategy, mode=mode, model=prof.model)
     nodes = prof.profile.nodes
     position = {node: k for k, node in enumerate(prof.block_nodes)}
     segments = []
