@@ -1,0 +1,1108 @@
+"""The last rung of the capture ladder: plan and checkpoint at the level of submodules.
+
+When no graph can be captured (data-dependent Python control flow, ``.item()`` in forward,
+calls into non-torch code), autockpt can still checkpoint the model's repeated blocks
+(``transformer.h.0``, ``transformer.h.1``...) by wrapping their ``forward`` in
+``torch.utils.checkpoint.checkpoint``. Three steps:
+
+1. :func:`profile_modules` runs one forward with hooks on every submodule and records, per
+   module call in execution order, its input, output and saved-for-backward bytes, FLOPs,
+   random ops and buffer updates; it picks the chain of blocks (:func:`choose_blocks`) and
+   restates the forward as a :class:`~autockpt.stats.Profile` over that chain.
+2. :func:`plan_modules` hands that profile to :func:`autockpt.planner.make_plan` (strategies,
+   budgets and ``InfeasibleBudgetError`` work as for a traced graph) and maps the plan's
+   checkpointed node ranges back to blocks.
+3. :func:`install` replaces the chosen blocks inside the transformed twin (never in the
+   user's module tree) by views whose forward runs under checkpoint in train mode.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.blocks = nn.ModuleList(
+    ...             nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    ...             for _ in range(6))
+    ...     def forward(self, x):
+    ...         if x.sum() > 0:          # data-dependent: torch.fx cannot trace this
+    ...             x = -x
+    ...         for block in self.blocks:
+    ...             x = block(x)
+    ...         return x
+    >>> net, x = Net(), torch.randn(32, 64)
+    >>> plan, prof = build(net, (x,), {}, budget_bytes=None)
+    >>> prof.blocks[:2]
+    ('blocks.0', 'blocks.1')
+    >>> twin = shallow_view(net)        # the runtime's twin is such a view, of a subclass
+    >>> install(twin, prof, plan)
+    >>> is_installed(twin)[:2]
+    ('blocks.0', 'blocks.1')
+    >>> twin(x).sum().backward()
+    >>> type(net.blocks[0]) is nn.Sequential, twin.blocks[0] is not net.blocks[0]
+    (True, True)
+    >>> twin.blocks[0][0].weight is net.blocks[0][0].weight
+    True
+
+# NOTE [ One checkpoint per block ]
+A segment of the plan covering blocks ``a..b`` runs as ``b - a + 1`` checkpoints, one per
+block: the blocks are called by the user's own Python code, with arbitrary code between the
+calls, so a run of them cannot be re-executed as one function. Each checkpoint keeps its
+block's inputs, so the tensors passed from one block to the next are held whatever the plan.
+The profile says so to the planner: a storage that one block produces and a later block reads
+gets a phantom reader two nodes on, which makes it *long-lived* in the memory model of
+:mod:`autockpt.chain` (held from its producer on). The planner's recompute term for a
+multi-block segment counts all its blocks at once, while one block at a time is recomputed
+here: the estimate errs on the safe side.
+
+# NOTE [ Glue is not checkpointable ]
+Code that runs in the parents' forward between blocks (embeddings, a residual add in the
+root, the head) becomes *glue* nodes. They cannot be wrapped, so they are given
+``requires_grad=False``: the planner only builds segments from stages that carry gradient, so
+segments are made of blocks only. Their saved bytes still count as held. A block that writes
+in place into a tensor it did not create (other than a buffer) would be corrupted by a
+recompute and is treated the same way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.planner import MODES, Plan, make_plan
+from autockpt.profile import describe_inputs
+from autockpt.stats import NodeStat, Profile, StorageStat
+from autockpt.trace import base_class, shallow_view
+
+__all__ = [
+    "ModuleCall",
+    "ModuleProfile",
+    "blocks_of_plan",
+    "build",
+    "choose_blocks",
+    "install",
+    "is_installed",
+    "plan_modules",
+    "profile_modules",
+]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """What one submodule did during the profiled forward (its first call)."""
+
+    qualname: str
+    """Qualified name in the model (``"transformer.h.0"``)."""
+    class_name: str
+    """Class of the module."""
+    calls: int
+    """How many times it was called; only modules called once can be cut points."""
+    start: int
+    """Number of ops run before it was entered (its first call)."""
+    end: int
+    """Number of ops run when it returned (its first call)."""
+    input_bytes: int
+    """Bytes of the storages of its tensor arguments (shared storages once)."""
+    output_bytes: int
+    """Bytes of the storages of its tensor outputs."""
+    saved_bytes: int
+    """Bytes of activation storages autograd saved while it ran (not parameters, buffers or
+    the model's inputs; shared storages once)."""
+    flops: int
+    """Forward FLOPs while it ran."""
+    random: bool
+    """Whether an op consuming the RNG ran inside it."""
+    mutated_buffers: tuple[str, ...]
+    """Qualified names of buffers it updated (BatchNorm running statistics)."""
+    trainable: bool
+    """Whether it has a parameter that requires grad."""
+
+
+@dataclass(frozen=True)
+class ModuleProfile:
+    """One forward, measured at the level of submodules, and the chain of blocks chosen."""
+
+    model: str
+    """Class name of the profiled model."""
+    input_signature: str
+    """Shapes and dtypes of the inputs it was profiled at."""
+    calls: tuple[ModuleCall, ...]
+    """Every submodule that ran, in the order of first entry."""
+    blocks: tuple[str, ...]
+    """Qualified names of the chosen cut points, in execution order (may be empty)."""
+    block_nodes: tuple[int, ...]
+    """Position of each block's node in :attr:`profile`."""
+    checkpointable: tuple[bool, ...]
+    """Per block: whether it may be checkpointed (no in-place write to an input)."""
+    block_inputs_grad: tuple[bool, ...]
+    """Per block: whether a tensor argument required grad (reentrant mode needs a dummy
+    argument when none does and the block has trainable parameters)."""
+    profile: Profile
+    """The forward restated as a chain: input, glue, blocks, glue, output."""
+    fake: bool
+    """Whether the forward ran on fake tensors (else on real ones, see :attr:`notes`)."""
+    notes: tuple[str, ...] = ()
+    """How the chain was chosen, and anything the reader should know."""
+
+    def call(self, qualname: str) -> ModuleCall:
+        """The record of the module ``qualname``."""
+        for item in self.calls:
+            if item.qualname == qualname:
+                return item
+        raise KeyError(qualname)
+
+
+# --------------------------------------------------------------------------- recording
+
+
+def _key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+
+
+def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen.setdefault(_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+class _Recorder(TorchDispatchMode):
+    """Logs every op of the forward: what it reads, writes and allocates, whether it is
+    random. Ops are numbered from 1; hooks note the count, so any stretch of the forward
+    (a module call, the gap between two blocks) is an interval of op numbers.
+
+    Storages are numbered in order of allocation (*serials*): the address that identifies a
+    live storage is reused once it is freed, so it cannot name one after its death."""
+
+    def __init__(self, old_keys: set[int]) -> None:
+        super().__init__()
+        self.count = 0
+        self.old_keys = old_keys
+        self.live: dict[int, int] = {}  # storage address -> serial, while alive
+        self.sizes: list[int] = []  # by serial
+        self.produced_at: list[int] = []  # by serial: the op that allocated it
+        self.reads: list[tuple[int, int, bool]] = []  # (op, serial, requires_grad)
+        self.old_reads: list[tuple[int, int]] = []  # (op, address) of pre-existing storages
+        self.writes: list[tuple[int, int]] = []  # (op, serial)
+        self.old_writes: list[tuple[int, int]] = []  # (op, address): buffers
+        self.random_ops: list[int] = []
+        # (op, serial, +bytes or -bytes): allocations and frees, for working sets.
+        self.memory: list[tuple[int, int, int]] = []
+        self._refs: list[weakref.ref[Any]] = []
+
+    def serial(self, tensor: torch.Tensor, op: int | None = None) -> int | None:
+        """The serial of ``tensor``'s storage; a storage not seen before is registered as
+        allocated by ``op`` (None: leave it unknown). Pre-existing storages have none."""
+        key = _key(tensor)
+        if key in self.old_keys:
+            return None
+        found = self.live.get(key)
+        if found is not None or op is None:
+            return found
+        storage = tensor.untyped_storage()
+        found = len(self.sizes)
+        self.live[key] = found
+        self.sizes.append(storage.nbytes())
+        self.produced_at.append(op)
+        self.memory.append((op, found, storage.nbytes()))
+        self._refs.append(weakref.ref(storage, functools.partial(self._freed, key, found)))
+        return found
+
+    def _freed(self, key: int, serial: int, _ref: object) -> None:
+        if self.live.get(key) == serial:
+            del self.live[key]
+        self.memory.append((self.count, serial, -self.sizes[serial]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        self.count += 1
+        op = self.count
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.random_ops.append(op)
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in _tensor_leaves(value):
+                    found = self.serial(t)
+                    if found is None:
+                        self.old_writes.append((op, _key(t)))
+                    else:
+                        self.writes.append((op, found))
+        for t in _tensor_leaves((args, kwargs)):
+            found = self.serial(t)
+            if found is None:
+                self.old_reads.append((op, _key(t)))
+            else:
+                self.reads.append((op, found, t.requires_grad))
+        out = func(*args, **kwargs)
+        for t in _tensor_leaves(out):
+            self.serial(t, op)
+        return out
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    qualname: str
+    calls: int = 0
+    start: int = 0
+    end: int = 0
+    flops_start: int = 0
+    flops_end: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    input_grad: bool = False
+
+
+class _Session:
+    """Hooks on every submodule plus the recorder, for one forward."""
+
+    def __init__(self, module: nn.Module, old_keys: set[int], buffer_names: dict[int, str]
+                 ) -> None:
+        self.root = module
+        self.recorder = _Recorder(old_keys)
+        self.flops = FlopCounterMode(display=False)
+        self.saved: list[tuple[int, int, bool]] = []  # (op, serial, requires_grad)
+        self.buffer_names = buffer_names
+        self.calls: dict[int, _Call] = {}
+        self.order: list[int] = []
+        self.input_keys: set[int] = set()
+        self.inputs_grad = False
+        for name, sub in module.named_modules():
+            if sub is not module:
+                self.calls[id(sub)] = _Call(sub, name)
+
+    def pre(self, sub: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        record = self.calls[id(sub)]
+        record.calls += 1
+        if record.calls == 1:
+            self.order.append(id(sub))
+            record.start = self.recorder.count
+            record.flops_start = int(self.flops.get_total_flops())
+            tensors = _tensor_leaves((args, kwargs))
+            record.input_bytes = _unique_bytes(tensors)
+            record.input_grad = any(t.requires_grad for t in tensors)
+
+    def post(self, sub: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        record = self.calls[id(sub)]
+        if record.calls == 1 and record.end == 0:
+            record.end = self.recorder.count
+            record.flops_end = int(self.flops.get_total_flops())
+            tensors = _tensor_leaves(output)
+            record.output_bytes = _unique_bytes(tensors)
+            for t in tensors:
+                found = self.recorder.serial(t)
+                if t.requires_grad and found is not None:
+                    self.recorder.reads.append((record.end, found, True))
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # A storage first seen here was allocated outside the dispatcher: counted here.
+        found = self.recorder.serial(tensor, self.recorder.count)
+        if found is not None:
+            self.saved.append((self.recorder.count, found, tensor.requires_grad))
+        return tensor
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        handles = []
+        try:
+            for record in self.calls.values():
+                sub = record.module
+                handles.append(sub.register_forward_pre_hook(self.pre, with_kwargs=True))
+                handles.append(sub.register_forward_hook(self.post, with_kwargs=True,
+                                                         always_call=False))
+            with self.flops, self.recorder, torch.autograd.graph.saved_tensors_hooks(
+                    self.pack, lambda t: t):
+                output = fn()
+            return output
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+# --------------------------------------------------------------------------- profiling
+
+
+def profile_modules(module: nn.Module, args: tuple[Any, ...] = (),
+                    kwargs: dict[str, Any] | None = None) -> ModuleProfile:
+    """Run one forward of ``module`` in train mode with hooks on its submodules, choose the
+    chain of blocks and restate the forward as a :class:`~autockpt.stats.Profile` over it.
+
+    The forward runs on fake tensors (``FakeTensorMode`` with fake copies of the parameters
+    and buffers swapped in by ``torch.func.functional_call``): no memory, no buffer update,
+    no RNG draw. A forward that fake tensors cannot run (``if x.sum() > 0:`` needs a value)
+    runs for real instead, under ``torch.random.fork_rng`` and with the buffers restored
+    afterwards; :attr:`ModuleProfile.fake` is then False and a note says why.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        ...                       for _ in range(3)])
+        >>> prof = profile_modules(net, (torch.randn(4, 8),))
+        >>> prof.blocks, prof.fake
+        (('0', '1', '2'), True)
+        >>> prof.call("1").saved_bytes      # inputs of the Linears and the GELU: 4*(8+32+32) floats
+        1152
+
+    Raises:
+        InvalidArgumentError: the forward fails on these inputs, fake and real.
+    """
+    kwargs = {} if kwargs is None else dict(kwargs)
+    flags = [(m, m.training) for m in module.modules()]
+    notes: list[str] = []
+    try:
+        module.train()
+        try:
+            session, output = _run_fake(module, args, kwargs)
+            fake = True
+        except Exception as err:  # noqa: BLE001 - fake tensors refuse data-dependent code in many ways
+            notes.append(f"fake tensors could not run the forward ({type(err).__name__}: "
+                         f"{_first_line(err)}); profiled one real forward, RNG and buffers "
+                         "restored")
+            session, output = _run_real(module, args, kwargs)
+            fake = False
+    finally:
+        for mod, was_training in flags:
+            mod.training = was_training
+    return _summarise(module, session, output, args, kwargs, fake, notes)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def _run_fake(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[_Session, Any]:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    named = list(module.named_parameters()) + list(module.named_buffers())
+    fake_state = {name: fake_mode.from_tensor(t) for name, t in named}
+    buffer_names = {_key(fake_state[n]): n for n, _ in module.named_buffers()}
+
+    def fakeify(value: Any) -> Any:
+        return fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    fake_args, fake_kwargs = tree_map(fakeify, (args, kwargs))
+    old = {_key(t) for t in fake_state.values()} | {
+        _key(t) for t in _tensor_leaves((fake_args, fake_kwargs))}
+    session = _Session(module, set(old), buffer_names)
+    _note_inputs(session, (fake_args, fake_kwargs))
+    with fake_mode:
+        output = session.run(lambda: torch.func.functional_call(
+            module, fake_state, tuple(fake_args), fake_kwargs, strict=False))
+    return session, output
+
+
+def _note_inputs(session: _Session, inputs: Any) -> None:
+    tensors = _tensor_leaves(inputs)
+    session.input_keys = {_key(t) for t in tensors}
+    session.inputs_grad = any(t.requires_grad for t in tensors)
+
+
+def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[_Session, Any]:
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    buffer_names = {_key(b): n for n, b in module.named_buffers()}
+    old = {_key(t) for t in [*module.parameters(), *module.buffers()]} | {
+        _key(t) for t in _tensor_leaves((args, kwargs))}
+    devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers(),
+                                                    *_tensor_leaves((args, kwargs))]
+                      if t.device.type == "cuda"})
+    session = _Session(module, set(old), buffer_names)
+    _note_inputs(session, (args, kwargs))
+    try:
+        with torch.random.fork_rng(devices=devices):
+            output = session.run(lambda: module(*args, **kwargs))
+    except Exception as err:
+        raise InvalidArgumentError(
+            f"{base_class(module).__name__}.forward failed on the example inputs "
+            f"({describe_inputs(args, kwargs)}): {type(err).__name__}: {err}",
+            fix="check that the example inputs have the shapes and dtypes the model expects",
+        ) from err
+    finally:
+        with torch.no_grad():
+            for buf, value in buffers:
+                buf.copy_(value)
+    return session, output
+
+
+# --------------------------------------------------------------------------- the chain
+
+
+def choose_blocks(module: nn.Module, prof: ModuleProfile | None = None, *,
+                  calls: Sequence[ModuleCall] | None = None) -> tuple[tuple[str, ...], str]:
+    """The cut points: qualified names of blocks that run one after another, and how they
+    were found.
+
+    From the root, look at the children that ran exactly once. If they are the children of a
+    ``ModuleList``/``Sequential``, or several of them share a class, and such a group saves at
+    least as many bytes for backward as any single child, its members are the blocks (members
+    that are containers of same-class modules are replaced by their children: ``layer1.0,
+    layer1.1, layer2.0...``). Otherwise descend into the child that saves the most. Blocks must not
+    overlap in time; a module called twice (weight sharing) is never one.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        >>> choose_blocks(net, profile_modules(net, (torch.randn(4, 8),)))[0]
+        ('0', '1', '2')
+    """
+    records = {c.qualname: c for c in (calls if calls is not None else prof.calls)}  # type: ignore[union-attr]
+
+    def record_of(qual: str, mod: nn.Module) -> ModuleCall | None:
+        # A container that is never called itself (a ModuleList) stands for its children.
+        if qual in records:
+            return records[qual]
+        parts = [r for name, child in mod.named_children()
+                 if (r := record_of(f"{qual}.{name}", child)) is not None]
+        if not parts:
+            return None
+        records[qual] = ModuleCall(
+            qualname=qual, class_name=type(mod).__name__,
+            calls=1 if all(r.calls == 1 for r in parts) else 2,
+            start=min(r.start for r in parts), end=max(r.end for r in parts),
+            input_bytes=0, output_bytes=0, saved_bytes=sum(r.saved_bytes for r in parts),
+            flops=sum(r.flops for r in parts), random=any(r.random for r in parts),
+            mutated_buffers=tuple(b for r in parts for b in r.mutated_buffers),
+            trainable=any(r.trainable for r in parts))
+        return records[qual]
+
+    def once(prefix: str, parent: nn.Module) -> list[tuple[str, nn.Module, ModuleCall]]:
+        kids = []
+        for name, child in parent.named_children():
+            qual = f"{prefix}{name}"
+            rec = record_of(qual, child)
+            if rec is not None and rec.calls == 1:
+                kids.append((qual, child, rec))
+        return sorted(kids, key=lambda k: (k[2].start, k[2].end))
+
+    def sequential(members: list[tuple[str, nn.Module, ModuleCall]]) -> bool:
+        return all(b[2].start >= a[2].end for a, b in itertools.pairwise(members))
+
+    def flatten(members: list[tuple[str, nn.Module, ModuleCall]]
+                ) -> list[tuple[str, nn.Module, ModuleCall]]:
+        out = []
+        for qual, child, rec in members:
+            inner = once(f"{qual}.", child) if isinstance(child, _CONTAINERS) else []
+            if len(inner) >= 2 and sequential(inner) and \
+                    len({type(c) for _, c, _ in inner}) == 1:
+                out.extend(inner)
+            else:
+                out.append((qual, child, rec))
+        return out
+
+    prefix, current = "", module
+    fallback: list[tuple[str, nn.Module, ModuleCall]] = []
+    while True:
+        kids = once(prefix, current)
+        if not kids:
+            break
+        groups = []
+        if isinstance(current, _CONTAINERS) and len(kids) >= 2:
+            groups.append(kids)
+        by_class: dict[type, list[tuple[str, nn.Module, ModuleCall]]] = {}
+        for kid in kids:
+            by_class.setdefault(type(kid[1]), []).append(kid)
+        groups.extend(g for g in by_class.values() if len(g) >= 2)
+        groups = [g for g in groups if sequential(g)]
+        best_kid = max(kids, key=lambda k: k[2].saved_bytes)  # first of equals
+        if groups:
+            group = max(groups, key=lambda g: sum(k[2].saved_bytes for k in g))
+            saved = sum(k[2].saved_bytes for k in group)
+            if saved > 0 and saved >= best_kid[2].saved_bytes:
+                found = flatten(group)
+                where = prefix.rstrip(".") or "the root"
+                return tuple(q for q, _, _ in found), (
+                    f"{len(found)} blocks: repeated children of {where}")
+        useful = [k for k in kids if k[2].saved_bytes > 0]
+        if len(useful) >= 2 and sequential(useful):
+            fallback = useful
+        if best_kid[2].saved_bytes == 0:
+            break
+        prefix, current = f"{best_kid[0]}.", best_kid[1]
+    if fallback:
+        return tuple(q for q, _, _ in fallback), (
+            f"{len(fallback)} blocks: no repeated blocks found; the children that save "
+            "memory are used instead")
+    return (), "no submodule that saves memory for backward runs once: nothing to cut"
+
+
+def _summarise(module: nn.Module, session: _Session, output: Any, args: tuple[Any, ...],
+               kwargs: dict[str, Any], fake: bool, notes: list[str]) -> ModuleProfile:
+    rec = session.recorder
+    saved_ops = [op for op, _, _ in session.saved]
+    old_write_ops = [op for op, _ in rec.old_writes]
+
+    def between(ops: list[int], lo: int, hi: int) -> tuple[int, int]:
+        return bisect.bisect_right(ops, lo), bisect.bisect_right(ops, hi)
+
+    calls = []
+    for ident in session.order:
+        c = session.calls[ident]
+        i, j = between(saved_ops, c.start, c.end)
+        saved = {serial for _, serial, _ in session.saved[i:j]}
+        r0, r1 = between(rec.random_ops, c.start, c.end)
+        w0, w1 = between(old_write_ops, c.start, c.end)
+        mutated = sorted(_with_siblings(module, {
+            session.buffer_names[k] for _, k in rec.old_writes[w0:w1]
+            if k in session.buffer_names}))
+        calls.append(ModuleCall(
+            qualname=c.qualname, class_name=type(c.module).__name__, calls=c.calls,
+            start=c.start, end=c.end, input_bytes=c.input_bytes, output_bytes=c.output_bytes,
+            saved_bytes=sum(rec.sizes[k] for k in saved), flops=c.flops_end - c.flops_start,
+            random=r1 > r0, mutated_buffers=tuple(mutated),
+            trainable=any(p.requires_grad for p in c.module.parameters())))
+    blocks, how = choose_blocks(module, calls=calls)
+    notes.append(how)
+    by_name = {c.qualname: c for c in calls}
+    chain = [by_name[b] for b in blocks]
+    input_grad = {c.qualname: c.input_grad for c in session.calls.values()}
+    total_flops = int(session.flops.get_total_flops())
+    stats, block_nodes, safe = _chain_profile(session, chain, output, total_flops,
+                                              describe_inputs(args, kwargs))
+    for name, ok in zip(blocks, safe):
+        if not ok:
+            notes.append(f"{name} writes in place into a tensor it did not create: "
+                         "not checkpointed")
+    return ModuleProfile(
+        model=base_class(module).__name__, input_signature=stats.input_signature,
+        calls=tuple(calls), blocks=blocks, block_nodes=block_nodes, checkpointable=safe,
+        block_inputs_grad=tuple(input_grad[b] for b in blocks), profile=stats, fake=fake,
+        notes=tuple(notes))
+
+
+def _with_siblings(module: nn.Module, buffers: set[str]) -> set[str]:
+    """``buffers`` plus the other buffers of their modules: a module's buffers are updated
+    as a set, and not every kernel declares each write (BatchNorm's running statistics)."""
+    out = set(buffers)
+    for qualname in buffers:
+        owner_path = qualname.rpartition(".")[0]
+        owner = module.get_submodule(owner_path)
+        prefix = f"{owner_path}." if owner_path else ""
+        out.update(f"{prefix}{name}" for name, _ in owner.named_buffers(recurse=False))
+    return out
+
+
+def _chain_profile(session: _Session, chain: list[ModuleCall], output: Any,
+                   total_flops: int, signature: str
+                   ) -> tuple[Profile, tuple[int, ...], tuple[bool, ...]]:
+    """Nodes: the input, then glue and blocks as they alternate in time (empty glue left
+    out), then the output. See NOTE [ One checkpoint per block ] and NOTE [ Glue is not
+    checkpointable ]."""
+    rec = session.recorder
+    # Slots: (kind, first op exclusive, last op inclusive, block record or None).
+    slots: list[tuple[str, int, int, ModuleCall | None]] = []
+    cursor = 0
+    for block in chain:
+        slots.append(("glue", cursor, block.start, None))
+        slots.append(("block", block.start, block.end, block))
+        cursor = block.end
+    slots.append(("glue", cursor, rec.count, None))
+    saved_ops = [op for op, _, _ in session.saved]
+    slots = [s for s in slots if s[0] == "block" or s[2] > s[1] or any(
+        s[1] < op <= s[2] for op in saved_ops)]
+    bounds = [s[2] for s in slots]
+
+    def node_of(op: int) -> int:
+        return 1 + min(bisect.bisect_left(bounds, op), len(slots) - 1)
+
+    n = len(slots) + 2
+    out_node = n - 1
+    count = len(rec.sizes)
+    producer = [node_of(op) for op in rec.produced_at]
+    users: list[set[int]] = [set() for _ in range(count)]
+    saved_by: list[set[int]] = [set() for _ in range(count)]
+    grad = [False] * count
+    is_output = [False] * count
+    node_reads: list[set[int]] = [set() for _ in range(n)]
+    reads_input = [False] * n
+    written_foreign = [False] * n
+    for op, serial, needs_grad in rec.reads:
+        node = node_of(op)
+        if producer[serial] != node:
+            users[serial].add(node)
+            node_reads[node].add(producer[serial])
+        grad[serial] = grad[serial] or needs_grad
+    for op, key in rec.old_reads:
+        if key in session.input_keys:
+            reads_input[node_of(op)] = True
+    for op, serial in rec.writes:
+        if producer[serial] != node_of(op):
+            written_foreign[node_of(op)] = True
+    for op, serial, needs_grad in session.saved:
+        saved_by[serial].add(node_of(op))
+        grad[serial] = grad[serial] or needs_grad
+    for t in _tensor_leaves(output):
+        serial = rec.serial(t)
+        if serial is not None:
+            is_output[serial] = True
+            users[serial].add(out_node)
+            grad[serial] = grad[serial] or t.requires_grad
+            node_reads[out_node].add(producer[serial])
+    is_block = [False] + [s[0] == "block" for s in slots] + [False]
+    for serial in range(count):
+        # NOTE [ One checkpoint per block ]: what a block hands to a later block is held.
+        p = producer[serial]
+        if is_block[p] and any(is_block[u] and u > p for u in users[serial]):
+            users[serial].add(min(p + 2, out_node))
+            if p + 2 >= out_node:
+                is_output[serial] = True
+    # Per-slot working set: most bytes of storages allocated in the slot alive at once.
+    work = [0] * n
+    alive: set[int] = set()
+    current, running = -1, 0
+    for op, serial, delta in rec.memory:
+        node = node_of(op) if op > 0 else 1
+        if node != current:
+            current, running, alive = node, 0, set()
+        if delta > 0:
+            alive.add(serial)
+            running += delta
+            work[node] = max(work[node], running)
+        elif serial in alive:
+            alive.discard(serial)
+            running += delta
+    # A block is one node, so the planner cannot see the gradients its backward allocates
+    # op by op; chain.py reads them off ``work_bytes - (what the node saves itself)``. So a
+    # block's work also covers, for its largest op, the gradients of the op's inputs and
+    # output on top of what it saves.
+    op_grads: dict[int, int] = {}
+    for op, serial, needs_grad in rec.reads:
+        if needs_grad or grad[serial]:
+            op_grads[op] = op_grads.get(op, 0) + rec.sizes[serial]
+    for serial, op in enumerate(rec.produced_at):
+        if grad[serial]:
+            op_grads[op] = op_grads.get(op, 0) + rec.sizes[serial]
+    own_saved = [0] * n
+    for serial in range(count):
+        if producer[serial] in saved_by[serial]:
+            own_saved[producer[serial]] += rec.sizes[serial]
+    for op, total in op_grads.items():
+        node = node_of(op)
+        work[node] = max(work[node], own_saved[node] + total)
+    users_of: list[set[int]] = [set() for _ in range(n)]
+    for node, producers in enumerate(node_reads):
+        for p in producers:
+            users_of[p].add(node)
+    nodes = [NodeStat(
+        index=0, name="inputs", op="placeholder", target="inputs", module_path="",
+        inputs=(), users=tuple(sorted(i for i in range(n) if reads_input[i])),
+        output_kind="tensor", requires_grad=session.inputs_grad, flops=0, output_bytes=0,
+        work_bytes=0, random=False, trainable=False, mutated_inputs=(), mutated_buffers=())]
+    produced_by: list[list[int]] = [[] for _ in range(n)]
+    for serial in range(count):
+        produced_by[producer[serial]].append(serial)
+    block_nodes = []
+    safe = []
+    glue_count = 0
+    for index, (kind, lo, hi, block) in enumerate(slots, start=1):
+        mine = produced_by[index]
+        r0, r1 = bisect.bisect_right(rec.random_ops, lo), bisect.bisect_right(rec.random_ops, hi)
+        if block is not None:
+            ok = not written_foreign[index]
+            block_nodes.append(index)
+            safe.append(ok)
+            name, target, path = block.qualname, block.class_name, block.qualname
+            flops = block.flops
+            carries = ok and (any(grad[k] for k in mine) or block.trainable)
+            buffers = block.mutated_buffers
+            trainable = block.trainable
+        else:
+            name, target, path = f"glue_{glue_count}", "glue", ""
+            glue_count += 1
+            flops, carries, buffers, trainable = 0, False, (), False
+        nodes.append(NodeStat(
+            index=index, name=name, op="call_module" if block else "call_function",
+            target=target, module_path=path,
+            inputs=tuple(sorted(node_reads[index] | ({0} if reads_input[index] else set()))),
+            users=tuple(sorted(users_of[index])),
+            # "constant": every node boundary stays a cut candidate (see _candidate_cuts);
+            # the blocks are the cut points by construction.
+            output_kind="constant", requires_grad=carries, flops=flops,
+            output_bytes=sum(rec.sizes[k] for k in mine), work_bytes=work[index],
+            random=r1 > r0, trainable=trainable, mutated_inputs=(), mutated_buffers=buffers))
+    # Glue FLOPs: whatever the blocks did not run, spread over the glue nodes.
+    glue_flops = total_flops - sum(c.flops for c in chain)
+    glue_nodes = [i for i, node in enumerate(nodes) if node.target == "glue"]
+    if glue_nodes and glue_flops > 0:
+        share, rest = divmod(glue_flops, len(glue_nodes))
+        for k, i in enumerate(glue_nodes):
+            nodes[i] = replace(nodes[i], flops=share + (rest if k == 0 else 0))
+    nodes.append(NodeStat(
+        index=out_node, name="output", op="output", target="output", module_path="",
+        inputs=tuple(sorted(node_reads[out_node])), users=(), output_kind="constant",
+        requires_grad=False, flops=0, output_bytes=0, work_bytes=0, random=False,
+        trainable=False, mutated_inputs=(), mutated_buffers=()))
+    order = sorted(range(count), key=lambda k: (producer[k], k))
+    stats = tuple(
+        StorageStat(size_bytes=rec.sizes[k], producer=producer[k],
+                    users=tuple(sorted(users[k])), saved_by=tuple(sorted(saved_by[k])),
+                    requires_grad=grad[k], is_output=is_output[k])
+        for k in order)
+    return (Profile(nodes=tuple(nodes), storages=stats, input_signature=signature),
+            tuple(block_nodes), tuple(safe))
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str = "optimal",
+                 mode: str = "non_reentrant") -> Plan:
+    """Plan which blocks of ``prof`` to checkpoint under ``budget_bytes``, with the planner
+    of traced graphs (:func:`autockpt.planner.make_plan`) run on the chain's profile.
+
+    The plan's segments are ranges of positions in ``prof.profile.nodes`` that cover blocks
+    only (see NOTE [ Glue is not checkpointable ]); :func:`blocks_of_plan` names them.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> prof = profile_modules(net, (torch.randn(4, 8),))
+        >>> plan_modules(prof, None).node_count == len(prof.profile.nodes)
+        True
+
+    Raises:
+        InfeasibleBudgetError: no choice of blocks fits; ``min_feasible_bytes`` says what does.
+        InvalidArgumentError: an unknown strategy or mode.
+    """
+    stats = prof.profile
+    if mode == "reentrant":
+        # Reentrant backward re-runs a block to its outputs and backpropagates through them
+        # on its own: the recomputed outputs, their gradients and the gradients of its
+        # detached inputs are alive at once. The memory model counts these from the tensors
+        # crossing a segment's ends, but a block's hand-offs are long-lived here (NOTE [ One
+        # checkpoint per block ]), so they are added to the block's working set.
+        handed = [0] * len(stats.nodes)
+        for st in stats.storages:
+            if any(u > st.producer for u in st.users):
+                handed[st.producer] += st.size_bytes
+        nodes = list(stats.nodes)
+        for k, index in enumerate(prof.block_nodes):
+            extra = 2 * handed[index] + prof.call(prof.blocks[k]).input_bytes
+            nodes[index] = replace(nodes[index], work_bytes=nodes[index].work_bytes + extra)
+        stats = replace(stats, nodes=tuple(nodes))
+    plan = make_plan(stats, budget_bytes, strategy=strategy, mode=mode, model=prof.model)
+    nodes = prof.profile.nodes
+    position = {node: k for k, node in enumerate(prof.block_nodes)}
+    segments = []
+    for seg in plan.segments:
+        members = [position[i] for i in range(seg.start, seg.end) if i in position]
+        if len(members) != seg.end - seg.start:
+            raise AutockptError(
+                f"internal error: a segment of the module-level plan covers glue "
+                f"({seg.first_node} .. {seg.last_node})",
+                fix="please report this with the model; pass strategy='sqrt' meanwhile")
+        dummy = mode == "reentrant" and any(
+            prof.call(prof.blocks[k]).trainable and not prof.block_inputs_grad[k]
+            for k in members)
+        segments.append(replace(seg, dummy_arg=dummy))
+    skipped = []
+    for seg in plan.skipped:
+        if any(nodes[i].target == "glue" for i in range(seg.start, seg.end)):
+            seg = replace(seg, reason="code between blocks: module-level checkpointing "
+                                      "cannot wrap it")
+        skipped.append(seg)
+    digest = hashlib.sha256("|".join((prof.model, *prof.blocks, *(n.name for n in nodes)))
+                            .encode()).hexdigest()[:16]
+    return replace(plan, segments=tuple(segments), skipped=tuple(skipped),
+                   graph_fingerprint=digest, notes=plan.notes + prof.notes)
+
+
+def blocks_of_plan(prof: ModuleProfile, plan: Plan) -> tuple[str, ...]:
+    """Qualified names of the blocks ``plan`` checkpoints, in execution order.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        ...                       for _ in range(4)])
+        >>> prof = profile_modules(net, (torch.randn(4, 8),))
+        >>> blocks_of_plan(prof, plan_modules(prof, None))
+        ('0', '1', '2')
+
+    Raises:
+        AutockptError: ``plan`` was not made from ``prof``.
+    """
+    if plan.node_count != len(prof.profile.nodes):
+        raise AutockptError(
+            f"the plan has {plan.node_count} nodes but the module profile of {prof.model} has "
+            f"{len(prof.profile.nodes)}: it was made for another model or chain",
+            fix="make the plan with autockpt.modules.plan_modules on this profile")
+    position = {node: k for k, node in enumerate(prof.block_nodes)}
+    return tuple(prof.blocks[position[i]] for seg in plan.segments
+                 for i in range(seg.start, seg.end) if i in position)
+
+
+def build(module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+          *, budget_bytes: int | None, mode: str = "non_reentrant",
+          strategy: str = "optimal") -> tuple[Plan, ModuleProfile]:
+    """Profile ``module`` at these inputs and plan its blocks: :func:`profile_modules` then
+    :func:`plan_modules`. ``module`` is left as it was.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        ...                       for _ in range(4)])
+        >>> plan, prof = build(net, (torch.randn(4, 8),), budget_bytes=None)
+        >>> len(plan.segments) >= 1
+        True
+    """
+    if mode not in MODES:
+        raise InvalidArgumentError(f"unknown mode {mode!r}", fix=f"use one of: {', '.join(MODES)}")
+    prof = profile_modules(module, args, kwargs)
+    return plan_modules(prof, budget_bytes, strategy=strategy, mode=mode), prof
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """How one block view runs its forward under checkpoint."""
+
+    qualname: str
+    """The block's qualified name in the model."""
+    mode: str
+    """``"non_reentrant"`` or ``"reentrant"``."""
+    preserve_rng: bool
+    """Whether random ops ran in it: the RNG state is stashed and replayed."""
+    buffers: tuple[str, ...]
+    """Buffers it updates, relative to the block: cloned during the recompute."""
+    trainable: bool
+    """Whether it has parameters that require grad."""
+
+
+def _swap_in_clones(block: nn.Module, buffers: Sequence[str]
+                    ) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
+    """See NOTE [ Recompute must not update buffers twice ] in :mod:`autockpt.runtime`."""
+    slots = []
+    for qualname in buffers:
+        owner_path, _, name = qualname.rpartition(".")
+        owner = block.get_submodule(owner_path)
+        original = owner._buffers.get(name)
+        slots.append((owner, name, original))
+        if original is not None:
+            owner._buffers[name] = original.clone()
+    return slots
+
+
+def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+    """Run ``block``'s own forward under checkpoint.
+
+    Checkpoint is handed the tensors of the call only, flattened: reentrant checkpoint
+    takes no keyword arguments and gives gradients only to top-level tensor arguments and
+    outputs. Everything else (flags, ``None``, caches) is bound in the closure, and the
+    output's structure is rebuilt from the first call."""
+    base_forward = block._autockpt_base.forward  # type: ignore[attr-defined]
+    leaves, tree = tree_flatten((args, kwargs))
+    slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    tensors = tuple(leaves[i] for i in slots)
+    if not spec.trainable and not any(t.requires_grad for t in tensors):
+        return base_forward(block, *args, **kwargs)  # no gradient flows: nothing to save
+    first: dict[str, Any] = {}
+    calls = 0
+
+    def fn(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        nonlocal calls
+        calls += 1
+        values = list(leaves)
+        for i, t in zip(slots, flat):
+            values[i] = t
+        call_args, call_kwargs = tree_unflatten(values, tree)
+        swapped = _swap_in_clones(block, spec.buffers) if calls > 1 else []
+        try:
+            out = base_forward(block, *call_args, **call_kwargs)
+        finally:
+            for owner, name, original in swapped:
+                owner._buffers[name] = original
+        out_leaves, out_tree = tree_flatten(out)
+        if calls == 1:
+            first["leaves"], first["tree"] = out_leaves, out_tree
+        return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
+
+    if spec.mode == "reentrant":
+        if spec.trainable and not any(t.requires_grad for t in tensors):
+            # Without an input that requires grad, reentrant checkpoint would give the
+            # block's parameters no gradient.
+            device = tensors[0].device if tensors else next(block.parameters()).device
+            dummy = torch.empty((), device=device, requires_grad=True)
+            result = checkpoint(lambda _dummy, *flat: fn(*flat), dummy, *tensors,
+                                use_reentrant=True, preserve_rng_state=spec.preserve_rng)
+        else:
+            result = checkpoint(fn, *tensors, use_reentrant=True,
+                                preserve_rng_state=spec.preserve_rng)
+    else:
+        result = checkpoint(fn, *tensors, use_reentrant=False,
+                            preserve_rng_state=spec.preserve_rng)
+    outputs = iter(result)
+    rebuilt = [next(outputs) if isinstance(v, torch.Tensor) else v for v in first["leaves"]]
+    return tree_unflatten(rebuilt, first["tree"])
+
+
+class _BlockMixin:
+    """Methods added to a block's class in the twin: only ``forward`` changes."""
+
+    _autockpt_base: type[nn.Module]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        spec: BlockSpec | None = self.__dict__.get("_autockpt_block")
+        module: nn.Module = self  # type: ignore[assignment]
+        # Eval and no_grad need no checkpoint: the block's own forward, untouched.
+        if spec is None or not module.training or not torch.is_grad_enabled():
+            return self._autockpt_base.forward(module, *args, **kwargs)
+        return _run_block(module, spec, args, kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The generated class cannot be pickled by name: rebuild it from the user's class.
+        return (_rebuild_block, (self._autockpt_base,), self.__dict__.copy())
+
+
+_BLOCK_CLASSES: dict[type, type] = {}
+_BLOCK_LOCK = threading.Lock()
+
+
+def _block_class(base: type[nn.Module]) -> type[nn.Module]:
+    with _BLOCK_LOCK:
+        cls = _BLOCK_CLASSES.get(base)
+        if cls is None:
+            cls = type(base.__name__, (_BlockMixin, base), {
+                "_autockpt_base": base, "__module__": base.__module__,
+                "__qualname__": base.__qualname__, "__doc__": base.__doc__})
+            _BLOCK_CLASSES[base] = cls
+        return cls
+
+
+def _rebuild_block(base: type[nn.Module]) -> nn.Module:
+    cls = _block_class(base)
+    return cls.__new__(cls)
+
+
+def _replace_child(parent: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` where ``old`` was in ``parent`` (a view owned by the twin): in its
+    submodules and in plain lists, tuples and dicts of its attributes that hold ``old``."""
+    parent._modules[name] = new
+    for key, value in list(parent.__dict__.items()):
+        if isinstance(value, list) and any(v is old for v in value):
+            parent.__dict__[key] = [new if v is old else v for v in value]
+        elif isinstance(value, tuple) and any(v is old for v in value):
+            parent.__dict__[key] = tuple(new if v is old else v for v in value)
+        elif isinstance(value, dict) and key not in ("_modules", "_parameters", "_buffers") \
+                and not key.startswith("_") and any(v is old for v in value.values()):
+            parent.__dict__[key] = {k: new if v is old else v for k, v in value.items()}
+
+
+def _owned_view(parent: nn.Module, name: str) -> nn.Module:
+    """The child ``name`` of ``parent``, made a view owned by the twin if it is not one."""
+    child = parent._modules[name]
+    if child is None:
+        raise AutockptError(f"submodule {name!r} is None in the transformed model")
+    if child.__dict__.get("_autockpt_view"):
+        return child
+    cls = _block_class(base_class(child)) if isinstance(child, _BlockMixin) else type(child)
+    view = shallow_view(child, cls)
+    view.__dict__["_autockpt_view"] = True
+    if "_autockpt_block" in child.__dict__:
+        view.__dict__["_autockpt_block"] = child.__dict__["_autockpt_block"]
+    _replace_child(parent, name, child, view)
+    return view
+
+
+def install(twin: nn.Module, prof: ModuleProfile, plan_or_blocks: Plan | Sequence[str],
+            mode: str | None = None) -> None:
+    """Make the blocks ``plan_or_blocks`` names run under checkpoint in ``twin``.
+
+    ``twin`` is the module the runtime returns (a view of the user's root sharing its
+    submodules). Each chosen block, and every container on the path to it, is replaced in
+    ``twin`` only by a view (:func:`autockpt.trace.shallow_view`) sharing its Parameters,
+    buffers and children, so ``state_dict()`` keys and Parameter objects stay those of the
+    user's model, whose own tree is not touched. A block view checkpoints its forward in
+    train mode with grad enabled and runs its own forward otherwise.
+
+    Calling it again (another plan, another input size) re-targets the same views: blocks no
+    longer chosen run plainly.
+
+    Args:
+        twin: the transformed module (never the user's own module).
+        prof: the profile the plan was made from.
+        plan_or_blocks: a plan from :func:`plan_modules`, or block names from ``prof.blocks``.
+        mode: ``"non_reentrant"`` or ``"reentrant"``; defaults to the plan's mode.
+
+    Example:
+        >>> # see the module's docstring
+    """
+    if isinstance(plan_or_blocks, Plan):
+        chosen = blocks_of_plan(prof, plan_or_blocks)
+        mode = plan_or_blocks.mode if mode is None else mode
+    else:
+        chosen = tuple(plan_or_blocks)
+        unknown = [b for b in chosen if b not in prof.blocks]
+        if unknown:
+            raise InvalidArgumentError(f"not blocks of the profile: {', '.join(unknown)}",
+                                       fix=f"choose among {', '.join(prof.blocks)}")
+    mode = "non_reentrant" if mode is None else mode
+    if mode not in MODES:
+        raise InvalidArgumentError(f"unknown mode {mode!r}", fix=f"use one of: {', '.join(MODES)}")
+    for sub in twin.modules():  # forget the previous choice
+        if "_autockpt_block" in sub.__dict__ and sub.__dict__.get("_autockpt_view"):
+            sub.__dict__["_autockpt_block"] = None
+    for qualname in chosen:
+        record = prof.call(qualname)
+        parent = twin
+        atoms = qualname.split(".")
+        for atom in atoms[:-1]:
+            parent = _owned_view(parent, atom)
+        block = parent._modules[atoms[-1]]
+        if block is None:
+            raise AutockptError(f"submodule {qualname!r} is None in the transformed model")
+        if not isinstance(block, _BlockMixin):
+            view = shallow_view(block, _block_class(base_class(block)))
+            view.__dict__["_autockpt_view"] = True
+            _replace_child(parent, atoms[-1], block, view)
+            block = view
+        elif not block.__dict__.get("_autockpt_view"):
+            block = _owned_view(parent, atoms[-1])
+        prefix = f"{qualname}."
+        block.__dict__["_autockpt_block"] = BlockSpec(
+            qualname=qualname, mode=mode, preserve_rng=record.random,
+            buffers=tuple(b[len(prefix):] for b in record.mutated_buffers
+                          if b.startswith(prefix)),
+            trainable=record.trainable)
+
+
+def is_installed(module: nn.Module) -> tuple[str, ...]:
+    """Qualified names of the blocks of ``module`` that checkpoint now.
+
+    Example:
+        >>> import torch
+        >>> is_installed(torch.nn.Linear(2, 2))
+        ()
+    """
+    return tuple(name for name, sub in module.named_modules()
+                 if isinstance(sub.__dict__.get("_autockpt_block"), BlockSpec))

@@ -1,0 +1,308 @@
+"""Module-level planning (autockpt.modules) on models torch.fx cannot trace.
+
+Each model is trained one step through the rung (profile, plan, install into a twin) and
+compared with an identically seeded copy that runs without checkpointing: loss, every
+gradient and every buffer must match; the twin must share the user's Parameters and
+state_dict keys and leave the user's module tree alone; the measured peak must respect the
+budget; and the FLOP count must show the recompute when blocks are checkpointed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import autockpt
+from autockpt.modules import (
+    blocks_of_plan,
+    build,
+    install,
+    is_installed,
+    plan_modules,
+    profile_modules,
+)
+from autockpt.planner import BUDGET_SLACK
+from autockpt.trace import shallow_view
+
+MODES = ("non_reentrant", "reentrant")
+BUDGETS = (1.0, 0.5, "min")
+
+
+class ResidualMLP(nn.Module):
+    """x + fc2(dropout(gelu(fc1(norm(x))))), optionally with a BatchNorm on the hidden."""
+
+    def __init__(self, width: int, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.bn = nn.BatchNorm1d(4 * width) if batchnorm else nn.Identity()
+        self.drop = nn.Dropout(0.1)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.drop(torch.nn.functional.gelu(self.bn(self.fc1(self.norm(x))))))
+
+
+class BranchyNet(nn.Module):
+    """Data-dependent control flow in the root around a ModuleList of residual blocks."""
+
+    def __init__(self, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(ResidualMLP(width, batchnorm=(i == 2)) for i in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if h.sum() > 0:  # fx cannot trace this
+            h = h * 0.5
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class KwBlock(nn.Module):
+    """Takes keyword arguments (a tensor mask, a float, a flag) and returns a tuple whose
+    second item is a Python number."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 3 * width)
+        self.fc2 = nn.Linear(3 * width, width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor, scale: float = 1.0,
+                gate: bool = True) -> tuple[torch.Tensor, int]:
+        h = torch.tanh(self.fc1(x)) * mask
+        out = x + scale * self.drop(self.fc2(h)) if gate else x
+        return out, 1
+
+
+class KwNet(nn.Module):
+    """Calls ``.item()`` in forward and passes keyword arguments to its blocks."""
+
+    def __init__(self, width: int = 48, depth: int = 5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(KwBlock(width) for _ in range(depth))
+        self.out = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        count = 0
+        scale = 1.0 / (1.0 + float(x.abs().mean().item()))  # a Python float from a tensor
+        for layer in self.layers:
+            x, n = layer(x, mask=mask, scale=scale, gate=True)
+            count += n
+        return self.out(x) * count
+
+
+Case = tuple[Callable[[], nn.Module], Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]
+
+
+def _branchy() -> nn.Module:
+    torch.manual_seed(0)
+    return BranchyNet()
+
+
+def _branchy_inputs() -> tuple[tuple[Any, ...], dict[str, Any]]:
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randn(32, 16, generator=gen),), {}
+
+
+def _kw() -> nn.Module:
+    torch.manual_seed(0)
+    return KwNet()
+
+
+def _kw_inputs() -> tuple[tuple[Any, ...], dict[str, Any]]:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(24, 48, generator=gen)
+    mask = (torch.rand(24, 144, generator=gen) > 0.3).float()
+    return (x,), {"mask": mask}
+
+
+CASES: dict[str, Case] = {"branchy": (_branchy, _branchy_inputs), "kwargs": (_kw, _kw_inputs)}
+
+
+def _loss(output: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None], dict[str, torch.Tensor]]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    loss = _loss(model(*args, **kwargs))
+    loss.backward()
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return loss.detach(), grads, buffers
+
+
+def _flops(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    counter = FlopCounterMode(display=False)
+    state = copy.deepcopy({n: b for n, b in model.named_buffers()})
+    with counter:
+        torch.manual_seed(0)
+        _loss(model(*args, **kwargs)).backward()
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(state[n])
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+def test_fx_cannot_trace_these() -> None:
+    for make, inputs in CASES.values():
+        args, kwargs = inputs()
+        with pytest.raises(autockpt.TraceError):
+            autockpt.plan(make(), args, example_kwargs=kwargs)
+
+
+def test_profile_finds_the_blocks_without_touching_the_model() -> None:
+    model = _branchy()
+    args, _ = _branchy_inputs()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    model.eval()
+    rng = torch.get_rng_state()
+    prof = profile_modules(model, args)
+    assert prof.blocks == tuple(f"blocks.{i}" for i in range(6))
+    assert not prof.fake  # `if h.sum() > 0` needs a real value
+    assert not model.training  # flags restored
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, value in model.named_buffers():
+        assert torch.equal(value, before[name]), name
+    block = prof.call("blocks.2")
+    assert block.random and block.trainable
+    assert block.mutated_buffers == ("blocks.2.bn.num_batches_tracked",
+                                     "blocks.2.bn.running_mean", "blocks.2.bn.running_var")
+    assert not prof.call("blocks.1").mutated_buffers
+    # fc1 input, gelu input (and BN saves), dropout mask, fc2 input: 4x wider than the block.
+    assert block.saved_bytes > 4 * block.input_bytes
+    assert prof.call("embed").saved_bytes == 0  # reads only the model's input
+
+
+def test_fake_profile_of_a_traceable_model_matches_real_sizes() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(*[ResidualMLP(32) for _ in range(4)])
+    x = torch.randn(8, 32)
+    prof = profile_modules(net, (x,))
+    assert prof.fake and prof.blocks == ("0", "1", "2", "3")
+    assert [prof.call(b).input_bytes for b in prof.blocks] == [8 * 32 * 4] * 4
+
+
+def test_weight_shared_module_is_not_a_block() -> None:
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = ResidualMLP(16)
+            self.b = ResidualMLP(16)
+            self.c = ResidualMLP(16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.b(self.a(self.b(x))))
+
+    prof = profile_modules(Shared(), (torch.randn(4, 16),))
+    assert "b" not in prof.blocks
+    assert prof.call("b").calls == 2
+
+
+def _budget(prof_plan: autockpt.Plan, budget: object) -> int:
+    if budget == "min":
+        return prof_plan.min_peak_bytes
+    return int(prof_plan.baseline_peak_bytes * float(budget))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_same_training_step(name: str, budget: object, mode: str) -> None:
+    make, inputs = CASES[name]
+    reference, model = make(), make()
+    args, kwargs = inputs()
+    probe, prof = build(model, args, kwargs, budget_bytes=None, mode=mode)
+    budget_bytes = _budget(probe, budget)
+    if budget_bytes < probe.min_peak_bytes:
+        with pytest.raises(autockpt.InfeasibleBudgetError) as info:
+            plan_modules(prof, budget_bytes, mode=mode)
+        assert info.value.min_feasible_bytes == probe.min_peak_bytes
+        return
+    plan = plan_modules(prof, budget_bytes, mode=mode)
+    assert plan.estimated_peak_bytes <= budget_bytes
+    str(plan)  # renders
+    original = {n: (type(m), m) for n, m in model.named_modules()}
+    twin = shallow_view(model)
+    install(twin, prof, plan)
+    chosen = blocks_of_plan(prof, plan)
+    assert is_installed(twin) == chosen
+    if budget != 1.0:
+        assert chosen, "nothing checkpointed below the baseline"
+
+    # Same Parameter objects and names, same state_dict keys; the user's tree is untouched.
+    assert list(twin.state_dict()) == list(model.state_dict())
+    for (name_a, p_a), (name_b, p_b) in zip(model.named_parameters(), twin.named_parameters(),
+                                            strict=True):
+        assert name_a == name_b and p_a is p_b
+    assert {n: (type(m), m) for n, m in model.named_modules()} == original
+    for qualname in chosen:
+        assert "forward" not in model.get_submodule(qualname).__dict__
+        assert twin.get_submodule(qualname) is not model.get_submodule(qualname)
+
+    loss_a, grads_a, buffers_a = _step(reference, args, kwargs)
+    loss_b, grads_b, buffers_b = _step(twin, args, kwargs)
+    torch.testing.assert_close(loss_b, loss_a)
+    assert list(grads_b) == list(grads_a)
+    for key, grad in grads_a.items():
+        assert grad is not None and grads_b[key] is not None, key
+        torch.testing.assert_close(grads_b[key], grad, msg=lambda m, key=key: f"{key}: {m}")
+    for key, buf in buffers_a.items():
+        torch.testing.assert_close(buffers_b[key], buf, msg=lambda m, key=key: f"buffer {key}: {m}")
+
+    report = autockpt.measure(twin, args, example_kwargs=kwargs, loss_fn=_loss)
+    assert report.peak_activation_bytes <= budget_bytes * (1 + BUDGET_SLACK), (
+        f"measured {report.peak_activation_bytes} B, budget {budget_bytes} B\n{plan}")
+
+    plain_flops, ckpt_flops = _flops(reference, args, kwargs), _flops(twin, args, kwargs)
+    if chosen:
+        # Non-reentrant recompute stops once the saved tensors are back: at most the plan.
+        assert plain_flops < ckpt_flops <= plain_flops + plan.recompute_flops
+    else:
+        assert ckpt_flops == plain_flops
+
+    # Eval and no_grad run the blocks' own forward: same output as the user's model.
+    twin.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(*args, **kwargs), reference(*args, **kwargs))
+
+
+def test_infeasible_budget_names_the_least_reachable() -> None:
+    model = _branchy()
+    args, _ = _branchy_inputs()
+    prof = profile_modules(model, args)
+    least = plan_modules(prof, None).min_peak_bytes
+    with pytest.raises(autockpt.InfeasibleBudgetError) as info:
+        plan_modules(prof, least // 2)
+    assert info.value.min_feasible_bytes == least
+
+
+def test_reinstall_retargets_and_deepcopy_works() -> None:
+    model = _branchy()
+    args, _ = _branchy_inputs()
+    prof = profile_modules(model, args)
+    twin = shallow_view(model)
+    install(twin, prof, ["blocks.0", "blocks.1"])
+    first = twin.blocks[0]
+    install(twin, prof, ["blocks.3"])
+    assert is_installed(twin) == ("blocks.3",)
+    assert twin.blocks[0] is first  # the view stays, it just runs plainly
+    clone = copy.deepcopy(twin)
+    assert is_installed(clone) == ("blocks.3",)
+    _loss(clone(*args)).backward()
+    assert all(p.grad is not None for p in clone.parameters())
