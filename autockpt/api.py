@@ -17,9 +17,8 @@ from torch import nn
 from autockpt.capture import CAPTURES
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.planner import MODES, STRATEGIES, Plan
-from autockpt.runtime import (ApplyConfig, capture_for, is_checkpointed, make_checkpointed,
-                              plan_graph)
-from autockpt.trace import base_class, bind_inputs
+from autockpt.runtime import ApplyConfig, is_checkpointed, make_any_plan, make_checkpointed
+from autockpt.trace import base_class
 
 __all__ = ["apply", "plan", "plan_of"]
 
@@ -148,9 +147,8 @@ def plan(
     args, kwargs = split_inputs(example_inputs, example_kwargs)
 
     def run() -> Plan:
-        traced = capture_for(model, args, kwargs, capture)
-        return plan_graph(model, traced, bind_inputs(model, args, kwargs), budget_bytes,
-                          strategy=strategy, mode=mode)
+        return make_any_plan(model, args, kwargs, budget_bytes, strategy=strategy, mode=mode,
+                             method=capture)
 
     return _with_context(model, args, kwargs, run)
 

@@ -32,6 +32,7 @@ already keeps one graph per input signature.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from torch import nn
 from autockpt.errors import AutockptError, TraceError
 from autockpt.trace import TraceSpec, TracedModel, base_class, bind_inputs, shallow_view, trace
 
-__all__ = ["CAPTURES", "RUNGS", "capture", "export_trace", "trace_with_leaves"]
+__all__ = ["CAPTURES", "RUNGS", "NoGraph", "capture", "export_trace", "trace_with_leaves"]
 
 RUNGS = ("fx", "export", "fx-leaves", "modules")
 """The ways of capturing a forward, in the order ``"auto"`` tries them."""
@@ -53,16 +54,24 @@ MAX_LEAVES = 32
 """How many untraceable submodules the ``"fx-leaves"`` rung keeps whole before giving up."""
 
 
+@dataclass(frozen=True)
+class NoGraph:
+    """What :func:`capture` returns when only the ``"modules"`` rung is left (or was asked
+    for): the caller plans over whole submodules instead (see :mod:`autockpt.modules`)."""
+
+    reason: str
+    """Why the graph rungs were not used."""
+
+
 def capture(
     module: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     method: str = "auto",
-) -> TracedModel | None:
+) -> TracedModel | NoGraph:
     """Capture ``module``'s forward for these inputs with the first rung that works.
 
-    Returns ``None`` when only the ``"modules"`` rung is left (or asked for): the caller
-    plans over submodules instead of a graph (see :mod:`autockpt.modules`).
+    Returns :class:`NoGraph` when only the ``"modules"`` rung is left (or asked for).
 
     Example:
         >>> import torch
@@ -86,7 +95,7 @@ def capture(
     rungs = RUNGS if method == "auto" else (method,)
     for rung in rungs:
         if rung == "modules":
-            return None
+            return NoGraph("; ".join(reasons))
         try:
             if rung == "fx":
                 traced = trace(module, args, kwargs)
@@ -102,18 +111,6 @@ def capture(
         traced.capture_reason = "; ".join(reasons)
         return traced
     raise AssertionError("unreachable: the ladder ends with 'modules'")
-
-
-def capture_reason_for_modules(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                               ) -> str:
-    """Why the graph rungs failed, for a plan made by the ``"modules"`` rung under ``"auto"``."""
-    reasons = []
-    for rung, fn in (("fx", trace), ("export", export_trace), ("fx-leaves", trace_with_leaves)):
-        try:
-            fn(module, args, kwargs)
-        except TraceError as err:
-            reasons.append(f"{rung}: {_first_line(err.message)}")
-    return "; ".join(reasons)
 
 
 def _first_line(message: str, limit: int = 160) -> str:

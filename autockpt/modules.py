@@ -67,12 +67,13 @@ recompute and is treated the same way.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import hashlib
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -1094,6 +1095,21 @@ def install(twin: nn.Module, prof: ModuleProfile, plan_or_blocks: Plan | Sequenc
             buffers=tuple(b[len(prefix):] for b in record.mutated_buffers
                           if b.startswith(prefix)),
             trainable=record.trainable)
+
+
+@contextlib.contextmanager
+def suspended(module: nn.Module) -> Iterator[None]:
+    """Within the block, the block views in ``module`` run their own forward (a profile of the
+    twin must see the blocks as they are, not checkpointed)."""
+    specs = [(sub, sub.__dict__["_autockpt_block"]) for sub in module.modules()
+             if sub.__dict__.get("_autockpt_block") is not None]
+    for sub, _ in specs:
+        sub.__dict__["_autockpt_block"] = None
+    try:
+        yield
+    finally:
+        for sub, spec in specs:
+            sub.__dict__["_autockpt_block"] = spec
 
 
 def is_installed(module: nn.Module) -> tuple[str, ...]:

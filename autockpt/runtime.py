@@ -31,8 +31,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autockpt.capture import capture, capture_reason_for_modules
-from autockpt.errors import AutockptError, TraceError
+from autockpt import modules
+from autockpt.capture import NoGraph, capture
+from autockpt.errors import AutockptError
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import profile
 from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
@@ -44,8 +45,9 @@ __all__ = [
     "checkpointed_class",
     "make_checkpointed",
     "is_checkpointed",
+    "make_any_plan",
+    "plan_blocks",
     "plan_graph",
-    "capture_for",
     "run_segment",
 ]
 
@@ -77,9 +79,23 @@ class _Variant:
     param_names: tuple[str, ...]
     flatten: Callable[[dict[str, Any]], tuple[Any, ...]] | None = None
     unflatten: Callable[[Any], Any] | None = None
+    blocks: modules.ModuleProfile | None = None
+    """The ``"modules"`` rung: the profile whose blocks the plan checkpoints (no program)."""
 
-    def run(self, module: nn.Module, arguments: dict[str, Any]) -> Any:
+    @property
+    def ready(self) -> bool:
+        return self.program is not None or self.blocks is not None
+
+    def run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            arguments: dict[str, Any]) -> Any:
         """The rewritten forward on a call bound to ``arguments``."""
+        if self.blocks is not None:
+            state: RuntimeState = module.__dict__["_autockpt"]
+            if state.installed is not self:
+                # The block views of the twin checkpoint what this variant's plan chose.
+                modules.install(module, self.blocks, self.plan)
+                state.installed = self
+            return base_class(module).forward(module, *args, **kwargs)
         assert self.program is not None
         if self.flatten is not None:
             inputs = self.flatten(arguments)
@@ -97,6 +113,7 @@ class RuntimeState:
         self.variants: OrderedDict[tuple[Any, ...], _Variant] = OrderedDict()
         self.by_id: dict[int, _Variant] = {}
         self.last_plan: Plan | None = None
+        self.installed: _Variant | None = None
         self._next_id = 0
         self._lock = threading.RLock()
 
@@ -119,13 +136,13 @@ class RuntimeState:
         arguments = bind_inputs(module, args, kwargs)
         key = signature_key(arguments)
         variant = self.variants.get(key)
-        if variant is not None and variant.program is not None:
+        if variant is not None and variant.ready:
             self.variants.move_to_end(key)
             self.last_plan = variant.plan
             return variant, arguments
         with self._lock:
             variant = self.variants.get(key)
-            if variant is None or variant.program is None:
+            if variant is None or not variant.ready:
                 known = variant.plan if variant is not None else None
                 variant = self._build(module, args, kwargs, arguments, key, known)
             self.last_plan = variant.plan
@@ -148,7 +165,16 @@ class RuntimeState:
         plan = known if known is not None else self.config.fixed_plan
         # A given plan is re-applied to a graph captured the way it was made.
         method = plan.capture if plan is not None else self.config.capture
-        traced = capture_for(module, args, kwargs, method)
+        traced = capture(module, args, kwargs, method)
+        if isinstance(traced, NoGraph):
+            made, prof = plan_blocks(module, args, kwargs, traced.reason,
+                                     self.config.budget_bytes, strategy=self.config.strategy,
+                                     mode=self.config.mode)
+            variant = _Variant(key=key, plan=plan if plan is not None else made, program=None,
+                               param_names=(), blocks=prof)
+            modules.blocks_of_plan(prof, variant.plan)  # a given plan must name these blocks
+            self._remember(key, variant)
+            return variant
         fingerprint = graph_fingerprint(traced.graph)
         if plan is not None:
             check_plan_fits(plan, traced, fingerprint)
@@ -161,28 +187,58 @@ class RuntimeState:
         variant = _Variant(key=key, plan=plan, program=program,
                            param_names=traced.spec.param_names, flatten=traced.flatten,
                            unflatten=traced.unflatten)
-        self.variants[key] = variant
         self.by_id[variant_id] = variant
+        self._remember(key, variant)
+        return variant
+
+    def _remember(self, key: tuple[Any, ...], variant: _Variant) -> None:
+        self.variants[key] = variant
         while len(self.variants) > MAX_VARIANTS:
             _, old = self.variants.popitem(last=False)
             self.by_id = {i: v for i, v in self.by_id.items() if v is not old}
         return variant
 
 
-def capture_for(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], method: str
-                ) -> TracedModel:
-    """Capture a graph with the ladder of :mod:`autockpt.capture`."""
+def plan_blocks(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    reason: str,
+    budget_bytes: int | None,
+    *,
+    strategy: str,
+    mode: str,
+) -> tuple[Plan, modules.ModuleProfile]:
+    """The ``"modules"`` rung: profile whole submodules with hooks and plan over them."""
+    from autockpt.trace import shallow_view
+
+    # The user's forward on the user's class, with the twin's block views running plainly.
+    view = shallow_view(module)
+    with modules.suspended(view):
+        plan, prof = modules.build(view, args, kwargs, budget_bytes=budget_bytes, mode=mode,
+                                   strategy=strategy)
+    return replace(plan, model=base_class(module).__name__, capture="modules",
+                   capture_reason=reason), prof
+
+
+def make_any_plan(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    budget_bytes: int | None,
+    *,
+    strategy: str,
+    mode: str,
+    method: str,
+) -> Plan:
+    """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
+    does)."""
     traced = capture(module, args, kwargs, method)
-    if traced is None:
-        # TODO(issue 7): module-level planning; until it lands, say why nothing worked.
-        reason = capture_reason_for_modules(module, args, kwargs)
-        raise TraceError(
-            f"{base_class(module).__name__} could not be captured as a graph ({reason})",
-            fix="avoid data-dependent Python control flow in forward (use torch.where), or "
-            "check the first error above",
-            model_name=base_class(module).__name__,
-        )
-    return traced
+    if isinstance(traced, NoGraph):
+        return plan_blocks(module, args, kwargs, traced.reason, budget_bytes,
+                           strategy=strategy, mode=mode)[0]
+    return plan_graph(module, traced, bind_inputs(module, args, kwargs), budget_bytes,
+                      strategy=strategy, mode=mode)
 
 
 def plan_graph(
@@ -341,7 +397,7 @@ class _CheckpointedMixin:
         if state is None or not module.training or not torch.is_grad_enabled():
             return self._autockpt_base.forward(module, *args, **kwargs)
         variant, arguments = state.variant_for(module, args, kwargs)
-        return variant.run(module, arguments)
+        return variant.run(module, args, kwargs, arguments)
 
     def _autockpt_run(self, variant_id: int, index: int, *inputs: Any) -> Any:
         state: RuntimeState = self.__dict__["_autockpt"]

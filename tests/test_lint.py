@@ -425,7 +425,7 @@ def test_syntax_error_names_the_line() -> None:
 
 
 def test_sorted_and_deterministic() -> None:
-    source = "".join(f"from torch.utils.checkpoint import checkpoint\n" if i == 0 else
+    source = "".join("from torch.utils.checkpoint import checkpoint\n" if i == 0 else
                      f"checkpoint(f{i}, x)\n" for i in range(12))
     report = _lint(source)
     assert [_line(f) for f in report] == list(range(2, 13))  # 9 before 10

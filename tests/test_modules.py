@@ -158,11 +158,13 @@ def _flops(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> i
     return int(counter.get_total_flops())
 
 
-def test_fx_cannot_trace_these() -> None:
+def test_no_graph_rung_captures_these_and_auto_ends_at_modules() -> None:
     for make, inputs in CASES.values():
         args, kwargs = inputs()
-        with pytest.raises(autockpt.TraceError):
-            autockpt.plan(make(), args, example_kwargs=kwargs)
+        for rung in ("fx", "export", "fx-leaves"):
+            with pytest.raises(autockpt.TraceError):
+                autockpt.plan(make(), args, example_kwargs=kwargs, capture=rung)
+        assert autockpt.plan(make(), args, example_kwargs=kwargs).capture == "modules"
 
 
 def test_profile_finds_the_blocks_without_touching_the_model() -> None:
