@@ -8,7 +8,8 @@ least memory it can reach (``budget_mb=None``). The loss is the model's own (``l
 the input ids, ``out.loss``).
 
 Columns: peak activation memory (``autockpt.measure``), step time as a ratio to no
-checkpointing (median of ``--repeat`` steps after a warm-up), backward FLOPs as a ratio to no
+checkpointing (median of ``--repeat`` steps after a warm-up, timed round-robin across the
+methods so that the load of a shared machine falls on all alike), backward FLOPs as a ratio to no
 checkpointing (``FlopCounterMode`` around backward: what is recomputed), the seconds
 ``autockpt.apply`` took with the example inputs, the capture rung and the checkpointed
 segments. Every method starts from the same weights (deep copies of one seeded build), and
@@ -27,6 +28,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -109,6 +111,25 @@ def _backward_flops_and_loss(model: nn.Module, kwargs: dict[str, Any]) -> tuple[
     return counter.get_total_flops(), loss.item()
 
 
+def time_interleaved(models: list[nn.Module], kwargs: dict[str, Any], repeat: int
+                     ) -> list[float]:
+    """Median seconds of one training step per model, timed round-robin: one warm-up round,
+    then ``repeat`` rounds each running every model once, so that a change in the load of a
+    shared machine falls on all methods alike."""
+    samples: list[list[float]] = [[] for _ in models]
+    for round_index in range(repeat + 1):
+        for model, out in zip(models, samples):
+            model.train()
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            model(**kwargs).loss.backward()
+            elapsed = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            if round_index:
+                out.append(elapsed)
+    return [statistics.median(out) for out in samples]
+
+
 def _hf_checkpointed(base: nn.Module, kwargs: dict[str, Any] | None) -> nn.Module:
     model = copy.deepcopy(base)
     if kwargs is None:
@@ -149,21 +170,21 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
     lines: list[str] = []
     reference: dict[str, float] = {}
 
+    timed: list[tuple[Row, nn.Module]] = []
+
     def record(method: str, model: nn.Module, **extra: Any) -> Row:
-        report = autockpt.measure(model, (), example_kwargs=kwargs, loss_fn=_loss,
-                                  warmup=1, repeat=repeat)
+        report = autockpt.measure(model, (), example_kwargs=kwargs, loss_fn=_loss)
         flops, loss = _backward_flops_and_loss(model, kwargs)
         if not reference:
-            reference.update(seconds=report.step_seconds, flops=float(flops), loss=loss)
+            reference.update(flops=float(flops), loss=loss)
         row = Row(model=name, method=method,
                   peak_activation_mib=report.peak_activation_bytes / MIB,
-                  step_ms=report.step_seconds * 1000,
-                  time_ratio=report.step_seconds / reference["seconds"],
+                  step_ms=float("nan"), time_ratio=float("nan"),
                   backward_flops_ratio=flops / reference["flops"], **extra)
         rows.append(row)
+        timed.append((row, model))
         print(f"  {name:6s} {method:44s} peak {row.peak_activation_mib:8.2f} MiB"
-              f"  time x{row.time_ratio:.2f}  bwd FLOPs x{row.backward_flops_ratio:.2f}"
-              f"  loss {loss:.6f}", flush=True)
+              f"  bwd FLOPs x{row.backward_flops_ratio:.2f}  loss {loss:.6f}", flush=True)
         if abs(loss - reference["loss"]) > 1e-5 * max(1.0, abs(reference["loss"])):
             warning = Row(model=name, method=f"WARNING: {method}", peak_activation_mib=None,
                           step_ms=0.0, time_ratio=float("nan"), backward_flops_ratio=None,
@@ -219,6 +240,12 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
                note=f"budget {budget_text}, estimated {plan.estimated_peak_bytes / MIB:.2f} MiB")
         if budget is None:
             least = ckpt
+    seconds = time_interleaved([model for _, model in timed], kwargs, repeat)
+    for (row, _), value in zip(timed, seconds):
+        row.step_ms = value * 1000
+        row.time_ratio = value / seconds[0]
+        print(f"  {name:6s} {row.method:44s} step {row.step_ms:7.0f} ms  x{row.time_ratio:.2f}",
+              flush=True)
     if least is not None:
         lines.append(f"{name}: output of the transformed model: "
                      f"{type(least(**kwargs)).__name__}; {check_save_pretrained(base, least)}")
