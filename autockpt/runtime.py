@@ -228,6 +228,13 @@ def _guarded(module: nn.Module, program: SegmentProgram) -> Callable[..., Any]:
 
     def run(*inputs: Any) -> Any:
         nonlocal calls
+        if torch.compiler.is_compiling():
+            # Under torch.compile the segment is traced once into checkpoint's higher-order
+            # op and the recompute is done by the compiled backward, never by calling this
+            # function again, so there is no second call to guard. Counting here would be a
+            # side effect outside the op, which makes dynamo graph-break and run every
+            # checkpointed segment uncompiled.
+            return program.fn(module, *inputs)
         calls += 1
         if calls == 1 or not buffers:
             return program.fn(module, *inputs)
