@@ -188,8 +188,11 @@ def _assert_scenario_matches(results: list[dict[str, Any]], name: str) -> None:
     for rank, out in enumerate(results):
         assert "error" not in out[name], f"rank {rank}, {name}: {out[name]['error']}"
         assert_same(out[name]["plain"], out[name]["autockpt"])
-    # Each rank trained on its own data, and the all-reduce made the gradients agree.
-    assert_same(results[0][name]["autockpt"], results[1][name]["autockpt"])
+    # Each rank trained on its own data, and the all-reduce made the gradients agree (not
+    # BatchNorm's running statistics: each rank updates them from its own batch).
+    synced = [{k: v for k, v in out[name]["autockpt"].items() if not k.startswith("buf:")}
+              for out in results]
+    assert_same(synced[0], synced[1])
 
 
 @pytest.mark.distributed
