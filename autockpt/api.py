@@ -7,6 +7,7 @@ wrong inside with the user's context: the model, the inputs, the budget, and the
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from numbers import Real
 from typing import Any
@@ -191,6 +192,25 @@ def _check_model(model: Any) -> None:
             fix="pass the module itself (e.g. MyNet()), not its class, a function or a "
             "state_dict",
         )
+    if isinstance(model, _wrapper_types()):
+        # Their forward takes *inputs and runs the real model inside: tracing them would fail
+        # with a TraceError that blames the signature, and checkpointing belongs inside anyway.
+        kind = type(model).__name__
+        raise InvalidArgumentError(
+            f"model is a {kind} wrapper: autockpt transforms the module inside it, and the "
+            f"wrapper goes around the result",
+            fix=f"transform first, then wrap: {kind}(autockpt.apply(model, ...)); with an "
+            f"existing wrapper, pass wrapper.module",
+        )
+
+
+def _wrapper_types() -> tuple[type, ...]:
+    """Data-parallel wrappers whose ``.module`` is the model autockpt should transform."""
+    types: list[type] = [nn.DataParallel, nn.parallel.DistributedDataParallel]
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no model can be one
+    if fsdp is not None:
+        types.append(fsdp.FullyShardedDataParallel)
+    return tuple(types)
 
 
 def _budget_bytes(budget_mb: Any) -> int | None:

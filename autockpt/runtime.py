@@ -310,14 +310,26 @@ def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
     """What makes two calls need different plans: tensor shapes, dtypes, devices and
     ``requires_grad``, and the values of Python constants (they are baked into the graph)."""
     key: list[Any] = []
+    devices: set[str] = set()
     for name, value in arguments.items():
         if isinstance(value, torch.Tensor):
             key.append((name, tuple(value.shape), value.dtype, value.device.type,
                         value.requires_grad))
+            devices.add(value.device.type)
         elif isinstance(value, (type(None), bool, int, float, str)):
             key.append((name, type(value).__name__, value))
         else:
             key.append((name, type(value).__name__))
+    # Autocast changes the dtype, so the size, of every activation: a plan made under
+    # bfloat16 autocast and reused without it (or the reverse) holds for the wrong sizes, and
+    # a bf16 plan run in float32 overshoots its budget. Plan once per autocast setting.
+    for device in sorted(devices):
+        try:
+            enabled = torch.is_autocast_enabled(device)
+        except RuntimeError:  # a device type autocast does not know, e.g. "meta"
+            enabled = False
+        if enabled:
+            key.append(("autocast", device, torch.get_autocast_dtype(device)))
     return tuple(key)
 
 
@@ -332,6 +344,13 @@ def _guarded(module: nn.Module, program: SegmentProgram) -> Callable[..., Any]:
 
     def run(*inputs: Any) -> Any:
         nonlocal calls
+        if torch.compiler.is_compiling():
+            # Under torch.compile the segment is traced once into checkpoint's higher-order
+            # op and the recompute is done by the compiled backward, never by calling this
+            # function again, so there is no second call to guard. Counting here would be a
+            # side effect outside the op, which makes dynamo graph-break and run every
+            # checkpointed segment uncompiled.
+            return program.fn(module, *inputs)
         calls += 1
         if calls == 1 or not buffers:
             return program.fn(module, *inputs)

@@ -1,0 +1,247 @@
+"""Real training setups around a transformed model, each compared with an identically seeded
+twin that runs without autockpt: gradient accumulation, bfloat16 autocast on CPU,
+``torch.compile``, ``nn.DataParallel``, and (2 gloo processes) DDP and FSDP2 ``fully_shard``.
+
+The model (tests/train_scripts/setups_model.py) has residual blocks with LayerNorm, dropout and
+BatchNorm; it is transformed at 40% of its estimated no-checkpoint peak, which checkpoints
+several segments (``checkpointed`` asserts at least 2). What each setup supports, and why, is
+in docs/training-setups.md.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from tests.train_scripts.setups_model import batch, build, checkpointed, loss_of
+
+MODES = ("non_reentrant", "reentrant")
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "train_scripts" / "dist_setups.py"
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient, parameter and buffer, cloned."""
+    out = {f"grad:{n}": p.grad.detach().clone() for n, p in model.named_parameters()}
+    out.update({f"param:{n}": p.detach().clone() for n, p in model.named_parameters()})
+    out.update({f"buf:{n}": b.detach().clone() for n, b in model.named_buffers()})
+    return out
+
+
+def assert_same(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor],
+                exact: bool = True) -> None:
+    assert list(actual) == list(expected)
+    tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {}
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, **tolerance,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def step(model: nn.Module, run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+         micro: int = 1) -> dict[str, torch.Tensor]:
+    """One training step: ``micro`` micro-batches, each with its own backward, then SGD."""
+    run = run or (lambda m, x: m(x))
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    for k in range(micro):
+        loss_of(run(model, batch(10 + k))).backward()
+    grads = state(model)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    after = {k.replace("param:", "stepped:"): v for k, v in state(model).items()
+             if k.startswith("param:")}
+    return {**grads, **after}
+
+
+# --------------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_accumulation_over_three_backward_passes(mode: str) -> None:
+    reference, transformed = build(), checkpointed(build(), mode)
+    expected = step(reference, micro=3)
+    assert_same(expected, step(transformed, micro=3))
+    # Accumulation really happened: one micro-batch gives other gradients.
+    single = step(build(), micro=1)
+    assert not torch.equal(single["grad:stem.weight"], expected["grad:stem.weight"])
+
+
+def _under_autocast(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_autocast_bfloat16_plans_for_bfloat16_and_matches(mode: str) -> None:
+    reference, transformed = build(), checkpointed(build(), mode)
+    fp32_plan = autockpt.plan_of(transformed)
+    assert_same(step(reference, _under_autocast), step(transformed, _under_autocast))
+    # The forward under autocast planned again, for bfloat16 activations (smaller).
+    runtime = transformed.__dict__["_autockpt"]
+    assert len(runtime.variants) == 2
+    bf16_plan = autockpt.plan_of(transformed)
+    assert bf16_plan.baseline_peak_bytes < 0.8 * fp32_plan.baseline_peak_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        planned = autockpt.plan(build(), (batch(0),), mode=mode)
+    assert planned.baseline_peak_bytes == bf16_plan.baseline_peak_bytes
+    # Back in float32 the float32 plan runs again: no third plan.
+    step(transformed)
+    assert len(runtime.variants) == 2 and autockpt.plan_of(transformed) is fp32_plan
+
+
+def test_a_plan_made_under_autocast_is_not_reused_in_float32() -> None:
+    x = batch(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        transformed = autockpt.apply(build(), budget_mb=None, example_inputs=(x,))
+    bf16_plan = autockpt.plan_of(transformed)
+    transformed(x)
+    assert autockpt.plan_of(transformed) is not bf16_plan
+    assert autockpt.plan_of(transformed).baseline_peak_bytes > bf16_plan.baseline_peak_bytes
+
+
+def _compiled(backend: str) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    cache: dict[int, Any] = {}
+
+    def run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if id(model) not in cache:
+            cache[id(model)] = torch.compile(model, backend=backend)
+        return cache[id(model)](x)
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_compile_aot_eager_compiles_every_segment_and_matches(mode: str) -> None:
+    """Dropout and BatchNorm inside checkpointed segments: the compiled backward replays the
+    dropout masks and updates the running statistics once."""
+    torch._dynamo.reset()
+    reference, transformed = build(), checkpointed(build(), mode)
+    assert_same(step(reference), step(transformed, _compiled("aot_eager")))
+    explained = torch._dynamo.explain(transformed)(batch(0))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_compile_eager_backend_without_dropout_and_batchnorm(mode: str) -> None:
+    """backend="eager" runs checkpoint's higher-order op with preserve_rng_state=False and
+    recomputes BatchNorm's buffer update, for plain torch.utils.checkpoint as well, so only a
+    model without dropout and BatchNorm in its segments trains right there."""
+    torch._dynamo.reset()
+    reference, transformed = build(p=0.0, bn=False), checkpointed(build(p=0.0, bn=False), mode, 0.6)
+    assert_same(step(reference), step(transformed, _compiled("eager")))
+
+
+def test_data_parallel_around_a_transformed_model() -> None:
+    reference = build()
+    transformed = checkpointed(build(), "non_reentrant")
+    wrapped = nn.DataParallel(transformed)
+    assert_same(step(reference), step(transformed, lambda _, x: wrapped(x)))
+    assert list(wrapped.state_dict()) == [f"module.{k}" for k in reference.state_dict()]
+    with pytest.raises(autockpt.InvalidArgumentError, match="DataParallel wrapper") as info:
+        autockpt.apply(nn.DataParallel(build()), example_inputs=(batch(0),))
+    assert "DataParallel(autockpt.apply(model, ...))" in str(info.value)
+
+
+# --------------------------------------------------------------------------- two processes
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    directory = tmp_path_factory.mktemp("setups")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(port), str(directory)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for rank in range(2)
+    ]
+    logs = [p.communicate(timeout=400)[0].decode() for p in procs]
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+    return [torch.load(directory / f"result-{r}.pt", weights_only=True) for r in range(2)]
+
+
+def _assert_scenario_matches(results: list[dict[str, Any]], name: str) -> None:
+    for rank, out in enumerate(results):
+        assert "error" not in out[name], f"rank {rank}, {name}: {out[name]['error']}"
+        assert_same(out[name]["plain"], out[name]["autockpt"])
+    # Each rank trained on its own data, and the all-reduce made the gradients agree (not
+    # BatchNorm's running statistics: each rank updates them from its own batch).
+    synced = [{k: v for k, v in out[name]["autockpt"].items() if not k.startswith("buf:")}
+              for out in results]
+    assert_same(synced[0], synced[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ddp", ["default", "static_graph", "no_sync"])
+def test_ddp_gradients_equal_ddp_without_autockpt(dist_results: list[dict[str, Any]], mode: str,
+                                                  ddp: str) -> None:
+    _assert_scenario_matches(dist_results, f"ddp/{mode}/{ddp}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_find_unused_parameters(dist_results: list[dict[str, Any]]) -> None:
+    """Non-reentrant works; reentrant fails in DDP itself (the parameters of a reentrant
+    segment get their gradients in a nested backward that DDP's unused-parameter search
+    cannot see): use static_graph=True there."""
+    _assert_scenario_matches(dist_results, "ddp/non_reentrant/find_unused")
+    for out in dist_results:
+        assert out["ddp/reentrant/find_unused"]["error"].startswith(
+            "RuntimeError: Expected to mark a variable ready only once")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_apply_on_a_ddp_wrapper_says_to_wrap_the_result(dist_results: list[dict[str, Any]]
+                                                       ) -> None:
+    for out in dist_results:
+        message = out["ddp/apply_on_wrapper"]
+        assert message.startswith("InvalidArgumentError: model is a DistributedDataParallel")
+        assert "DistributedDataParallel(autockpt.apply(model, ...))" in message
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_fully_shard_on_the_root_matches(dist_results: list[dict[str, Any]], mode: str
+                                               ) -> None:
+    _assert_scenario_matches(dist_results, f"fsdp2/{mode}/root")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_fully_shard_per_block_is_not_supported(dist_results: list[dict[str, Any]],
+                                                      mode: str) -> None:
+    """The transformed forward calls the blocks' submodules, never a block itself, so the
+    hooks fully_shard(block) relies on to gather the block's parameters never run."""
+    for out in dist_results:
+        assert out[f"fsdp2/{mode}/blocks"]["error"] == (
+            "RuntimeError: aten.native_layer_norm.default got mixed torch.Tensor and DTensor, "
+            "need to convert all torch.Tensor to DTensor before calling distributed operators!")
