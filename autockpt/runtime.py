@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autockpt import modules
 from autockpt.capture import NoGraph, capture
-from autockpt.errors import AutockptError
+from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import profile
 from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
@@ -212,6 +212,7 @@ def plan_blocks(
     """The ``"modules"`` rung: profile whole submodules with hooks and plan over them."""
     from autockpt.trace import shallow_view
 
+    _refuse_caches(module, args, kwargs)
     # The user's forward on the user's class, with the twin's block views running plainly.
     view = shallow_view(module)
     with modules.suspended(view):
@@ -219,6 +220,23 @@ def plan_blocks(
                                    strategy=strategy)
     return replace(plan, model=base_class(module).__name__, capture="modules",
                    capture_reason=reason), prof
+
+
+def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A block that appends to a key/value cache would append twice when it is recomputed:
+    the gradients stay right but the cache the model returns is wrong, silently. Hugging
+    Face turns the cache off when it checkpoints; here the user must."""
+    use_cache = bind_inputs(module, args, kwargs).get("use_cache")
+    config = getattr(module, "config", None)
+    if use_cache is None and config is not None:
+        use_cache = getattr(config, "use_cache", None)
+    if use_cache is True:
+        raise InvalidArgumentError(
+            f"{base_class(module).__name__} is called with use_cache=True: checkpointing its "
+            "blocks would add every key/value to the cache twice when they are recomputed",
+            fix="pass use_cache=False in the training batch (or set model.config.use_cache = "
+            "False); torch.export can then capture the model too",
+        )
 
 
 def make_any_plan(
