@@ -35,7 +35,7 @@ from __future__ import annotations
 import gc
 import math
 import operator
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -508,14 +508,32 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+_SKETCH_WIDTH = 8
+"""Frontier entries per state kept by the quick first pass of a budgeted solve."""
+
+
 def _solve(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool
            ) -> tuple[Ranges, int] | None:
     with _gc_paused():
-        return _solve_frontiers(chain, budget, mode, minimise_peak=minimise_peak)
+        bound = None
+        if budget is not None and not minimise_peak:
+            # A quick pass that keeps only a few entries per state finds a plan that fits,
+            # usually of near-least cost. Its cost bounds the exact pass: an entry that
+            # already costs more can never lead to the optimum (costs only add up), and
+            # dropping it changes nothing else (it dominates no cheaper entry). Same result,
+            # far smaller frontiers.
+            sketch = _solve_frontiers(chain, budget, mode, minimise_peak=False,
+                                      width=_SKETCH_WIDTH)
+            if sketch is not None:
+                bound = recompute_cost(chain, sketch[0])
+        return _solve_frontiers(chain, budget, mode, minimise_peak=minimise_peak, bound=bound)
 
 
-def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool
+def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool,
+                     width: int | None = None, bound: int | None = None
                      ) -> tuple[Ranges, int] | None:
+    """The dynamic programme. ``width`` keeps at most that many entries per state (evenly
+    spread over the frontier, a heuristic); ``bound`` drops entries whose cost exceeds it."""
     model = _Model(chain, mode)
     count = model.count
     limit = budget if budget is not None else None
@@ -532,6 +550,16 @@ def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_pe
             if not entries:
                 continue
             entries = _pareto(entries)  # ascending held, descending score
+            if width is not None and len(entries) > width:
+                step = (len(entries) - 1) / (width - 1)
+                entries = [entries[round(k * step)] for k in range(width)]
+            # Scores descend along the frontier: the entries within the cost bound, now and
+            # after a block's cost is added, are a suffix, found by bisection.
+            if bound is not None:
+                entries = entries[bisect_left([-e[1] for e in entries], -bound):]
+                if not entries:
+                    continue
+            negated = [-e[1] for e in entries] if bound is not None else []
             # Every peak and held total below is ``held + constant``: compute the constants
             # once per block, then the entries that fit are a prefix of the frontier, found
             # by bisection on the held bytes.
@@ -557,7 +585,9 @@ def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_pe
                 if limit is not None:
                     if helds[0] + max(lower0, forward0) > limit:
                         break  # the lower bound only grows with b: longer segments fail too
-                    fit = entries[:bisect_right(helds, limit - value0)]
+                    hi = bisect_right(helds, limit - value0)
+                    lo = 0 if bound is None else bisect_left(negated, cost - bound)
+                    fit = entries[lo:hi]
                     if not fit:
                         continue
                 else:
@@ -573,7 +603,10 @@ def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_pe
     if not finals:
         return None
     if minimise_peak:
-        _, peak, path = min(finals, key=lambda e: (e[1], recompute_cost(chain, _ranges(e[2]))))
+        # The least peak, then the least cost among those: costs only for the few that tie.
+        least = min(e[1] for e in finals)
+        _, peak, path = min((e for e in finals if e[1] == least),
+                            key=lambda e: recompute_cost(chain, _ranges(e[2])))
         return _ranges(path), peak
     _, _, path = min(finals, key=lambda e: (e[1], e[0]))
     ranges = _ranges(path)
