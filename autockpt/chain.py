@@ -32,7 +32,12 @@ cuts with Pareto frontiers of ``(H, cost)`` is exact for this model (:func:`opti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+import math
+import operator
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from autockpt.stats import NodeStat, Profile
@@ -425,33 +430,37 @@ def recompute_cost(chain: Chain, ranges: Ranges) -> int:
 # --------------------------------------------------------------------------- optimisation
 
 
-@dataclass(frozen=True)
-class _Path:
-    """A linked list of chosen blocks, newest first (shared between frontier entries)."""
+_Path = tuple[tuple[int, int], "_Path | None"]
+"""Chosen blocks as a linked list of ``(block, parent)`` pairs, newest first, shared between
+frontier entries; ``None`` is the empty list. Plain tuples, because the programme builds one
+per frontier entry it extends (millions on long chains) and a tuple is several times cheaper
+to create than an object."""
 
-    block: tuple[int, int] | None
-    parent: _Path | None
-
-    def ranges(self) -> Ranges:
-        out = []
-        node: _Path | None = self
-        while node is not None:
-            if node.block is not None:
-                out.append(node.block)
-            node = node.parent
-        return tuple(reversed(out))
+_Entry = tuple[int, int, "_Path | None"]
+"""A frontier entry: ``(held bytes, score, path)``."""
 
 
-_ROOT = _Path(None, None)
+def _ranges(path: _Path | None) -> Ranges:
+    """The blocks of ``path`` in graph order."""
+    out = []
+    while path is not None:
+        out.append(path[0])
+        path = path[1]
+    return tuple(reversed(out))
 
 
-def _pareto(entries: list[tuple[int, int, _Path]]) -> list[tuple[int, int, _Path]]:
+_HELD_SCORE = operator.itemgetter(0, 1)
+
+
+def _pareto(entries: list[_Entry]) -> list[_Entry]:
     """Keep the entries no other entry beats on both held bytes and score."""
-    entries.sort(key=lambda e: (e[0], e[1]))
-    kept: list[tuple[int, int, _Path]] = []
+    entries.sort(key=_HELD_SCORE)  # stable: among equal pairs the first pushed is kept
+    kept: list[_Entry] = []
+    last = math.inf
     for entry in entries:
-        if not kept or entry[1] < kept[-1][1]:
+        if entry[1] < last:
             kept.append(entry)
+            last = entry[1]
     return kept
 
 
@@ -482,15 +491,56 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
     return _solve(chain, budget, mode, minimise_peak=False)
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector, if it runs, for the duration.
+
+    The programme creates hundreds of thousands of small tuples that all stay alive until it
+    ends, none of them in a cycle: every few hundred allocations the collector would scan
+    all of them again, which made it several times slower on long graphs.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+_SKETCH_WIDTH = 8
+"""Frontier entries per state kept by the quick first pass of a budgeted solve."""
+
+
 def _solve(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool
            ) -> tuple[Ranges, int] | None:
+    with _gc_paused():
+        bound = None
+        if budget is not None and not minimise_peak:
+            # A quick pass that keeps only a few entries per state finds a plan that fits,
+            # usually of near-least cost. Its cost bounds the exact pass: an entry that
+            # already costs more can never lead to the optimum (costs only add up), and
+            # dropping it changes nothing else (it dominates no cheaper entry). Same result,
+            # far smaller frontiers.
+            sketch = _solve_frontiers(chain, budget, mode, minimise_peak=False,
+                                      width=_SKETCH_WIDTH)
+            if sketch is not None:
+                bound = recompute_cost(chain, sketch[0])
+        return _solve_frontiers(chain, budget, mode, minimise_peak=minimise_peak, bound=bound)
+
+
+def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool,
+                     width: int | None = None, bound: int | None = None
+                     ) -> tuple[Ranges, int] | None:
+    """The dynamic programme. ``width`` keeps at most that many entries per state (evenly
+    spread over the frontier, a heuristic); ``bound`` drops entries whose cost exceeds it."""
     model = _Model(chain, mode)
     count = model.count
     limit = budget if budget is not None else None
     # frontier[(cut, before)] -> [(held, score, path)]; score is cost or the peak so far.
-    frontier: dict[tuple[int, int], list[tuple[int, int, _Path]]] = {(0, _PLAIN): [(0, 0, _ROOT)]}
+    frontier: dict[tuple[int, int], list[_Entry]] = {(0, _PLAIN): [(0, 0, None)]}
 
-    def push(key: tuple[int, int], entries: list[tuple[int, int, _Path]]) -> None:
+    def push(key: tuple[int, int], entries: list[_Entry]) -> None:
         if entries:
             frontier.setdefault(key, []).extend(entries)
 
@@ -500,10 +550,22 @@ def _solve(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool
             if not entries:
                 continue
             entries = _pareto(entries)  # ascending held, descending score
+            if width is not None and len(entries) > width:
+                step = (len(entries) - 1) / (width - 1)
+                entries = [entries[round(k * step)] for k in range(width)]
+            # Scores descend along the frontier: the entries within the cost bound, now and
+            # after a block's cost is added, are a suffix, found by bisection.
+            if bound is not None:
+                entries = entries[bisect_left([-e[1] for e in entries], -bound):]
+                if not entries:
+                    continue
+            negated = [-e[1] for e in entries] if bound is not None else []
             # Every peak and held total below is ``held + constant``: compute the constants
-            # once per block, then the entries that fit are a prefix of the frontier.
+            # once per block, then the entries that fit are a prefix of the frontier, found
+            # by bisection on the held bytes.
+            helds = [e[0] for e in entries]
             value0, after0 = model.plain(i, before, 0)
-            fit = entries if limit is None else [e for e in entries if e[0] + value0 <= limit]
+            fit = entries if limit is None else entries[:bisect_right(helds, limit - value0)]
             if minimise_peak:
                 push((i + 1, _PLAIN), [(h + after0, max(sc, h + value0), p) for h, sc, p in fit])
             else:
@@ -521,27 +583,31 @@ def _solve(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool
                 value0, after0, lower0 = model.segment(i, b, 0, inputs)
                 value0 = max(value0, forward0)
                 if limit is not None:
-                    if entries[0][0] + max(lower0, forward0) > limit:
+                    if helds[0] + max(lower0, forward0) > limit:
                         break  # the lower bound only grows with b: longer segments fail too
-                    room = limit - value0
-                    fit = [e for e in entries if e[0] <= room]
+                    hi = bisect_right(helds, limit - value0)
+                    lo = 0 if bound is None else bisect_left(negated, cost - bound)
+                    fit = entries[lo:hi]
                     if not fit:
                         continue
                 else:
                     fit = entries
                 block = (i, b)
                 if minimise_peak:
-                    push((b + 1, _CKPT), [(h + after0, max(sc, h + value0), _Path(block, p))
+                    push((b + 1, _CKPT), [(h + after0, max(sc, h + value0), (block, p))
                                           for h, sc, p in fit])
                 else:
-                    push((b + 1, _CKPT), [(h + after0, sc + cost, _Path(block, p))
+                    push((b + 1, _CKPT), [(h + after0, sc + cost, (block, p))
                                           for h, sc, p in fit])
     finals = frontier.get((count, _PLAIN), []) + frontier.get((count, _CKPT), [])
     if not finals:
         return None
     if minimise_peak:
-        _, peak, path = min(finals, key=lambda e: (e[1], recompute_cost(chain, e[2].ranges())))
-        return path.ranges(), peak
+        # The least peak, then the least cost among those: costs only for the few that tie.
+        least = min(e[1] for e in finals)
+        _, peak, path = min((e for e in finals if e[1] == least),
+                            key=lambda e: recompute_cost(chain, _ranges(e[2])))
+        return _ranges(path), peak
     _, _, path = min(finals, key=lambda e: (e[1], e[0]))
-    ranges = path.ranges()
+    ranges = _ranges(path)
     return ranges, estimate_peak(chain, ranges, mode)
