@@ -240,6 +240,11 @@ class _ProfileRunner(torch.nn.Module):
                 watcher.reset()
                 saved_now.clear()
                 input_nodes = node.all_input_nodes
+                # Where the gradients of the activations it reads go, taken before it runs
+                # (an in-place op gives its input a new autograd history).
+                ordered_inputs = sorted(input_nodes, key=position.__getitem__)
+                edges = [_grad_edges(interpreter.env.get(i), storage_index)
+                         for i in ordered_inputs]
                 if node.op == "placeholder":
                     value = next(args_iter)
                 elif node.op == "output":
@@ -261,8 +266,10 @@ class _ProfileRunner(torch.nn.Module):
                     }
                 )
                 work_bytes = watcher.peak_bytes
+                flops = int(flop_counter.get_total_flops() - flops_before)
                 watcher.old_keys.update(_storage_key(t) for t in _tensors(value))
                 watcher.old_keys.update(_storage_key(t) for t in saved_now)
+                backward = _probe_backward(value, edges, watcher) if node.op != "output" else None
                 out_storages: list[int] = []
                 output_bytes = 0
                 if node.op not in ("output", "get_attr"):
@@ -305,13 +312,16 @@ class _ProfileRunner(torch.nn.Module):
                     users=tuple(sorted(position[u] for u in node.users)),
                     output_kind=_output_kind(node, value),
                     requires_grad=any(t.requires_grad for t in _tensors(value)),
-                    flops=int(flop_counter.get_total_flops() - flops_before),
+                    flops=flops,
                     output_bytes=output_bytes,
                     work_bytes=max(work_bytes, output_bytes),
                     random=watcher.random,
                     trainable=trainable,
                     mutated_inputs=tuple(mutated_inputs),
                     mutated_buffers=tuple(sorted(mutated_buffers)),
+                    backward_bytes=backward[0] if backward else 0,
+                    input_grad_bytes=backward[1] if backward else (),
+                    grad_bytes=_grad_size(value),
                 )
                 node.meta["autockpt"] = stat
                 self._stats.append(stat)
@@ -329,6 +339,61 @@ class _ProfileRunner(torch.nn.Module):
             for s in self._storages
         )
         return Profile(nodes=tuple(self._stats), storages=storages, input_signature=description)
+
+
+def _grad_edges(value: Any, storage_index: dict[int, int]) -> list[Any]:
+    """Gradient edges of the activations in ``value`` that require grad (not of parameters
+    or model inputs: their gradients are not activations)."""
+    out = []
+    for t in _tensors(value):
+        if t.requires_grad and _storage_key(t) in storage_index:
+            out.append(torch.autograd.graph.get_gradient_edge(t))
+    return out
+
+
+def _grad_size(value: Any) -> int:
+    """Bytes of the gradients of the tensors in ``value`` that require grad."""
+    seen: set[int] = set()
+    total = 0
+    for t in _tensors(value):
+        if t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _probe_backward(value: Any, edges: list[list[Any]], watcher: _OpWatcher
+                    ) -> tuple[int, tuple[int, ...]] | None:
+    """Run the backward of one node on fake tensors, from a fresh gradient of its output to
+    the gradients of the activations it reads (see NOTE [ Gradients in backward ] in
+    :mod:`autockpt.chain`): the most new bytes alive at once, and per input the bytes of new
+    storage handed on as its gradient. None when nothing is differentiated, or when the
+    backward cannot run on fake tensors (the chain then falls back to input sizes)."""
+    outs = [t for t in _tensors(value) if t.requires_grad]
+    flat = [(k, e) for k, group in enumerate(edges) for e in group]
+    if not outs or not flat:
+        return None
+    seeds = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in outs]
+    seed_keys = {_storage_key(g) for g in seeds} - watcher.old_keys
+    watcher.reset()
+    watcher.old_keys |= seed_keys
+    try:
+        grads = torch.autograd.grad(outs, [e for _, e in flat], seeds, retain_graph=True,
+                                    allow_unused=True)
+    except Exception:  # noqa: BLE001 - an op without a fake backward: use the fallback
+        return None
+    finally:
+        watcher.old_keys -= seed_keys
+    per_input = [0] * len(edges)
+    seen = {_storage_key(g) for g in seeds}
+    for (k, _), grad in zip(flat, grads):
+        if grad is None:
+            continue
+        key = _storage_key(grad)
+        if key not in seen:
+            seen.add(key)
+            per_input[k] += grad.untyped_storage().nbytes()
+    return watcher.peak_bytes, tuple(per_input)
 
 
 def _target_name(node: fx.Node) -> str:
