@@ -20,15 +20,37 @@ one of three kinds:
 Backward runs the stages in reverse and frees a held storage once the earliest stage holding it
 is done, so while backward is in stage ``t`` the storages held by stages ``<= t`` are alive:
 ``H(t)``, which grows left to right. Not checkpointed, stage ``t`` peaks in backward at
-``H(t)`` plus the gradients crossing into it and its working set. A checkpointed segment
-``[a, b]`` peaks at ``H(b)`` plus its recompute (every storage it produces and saves, a second
-copy, and in reentrant mode its outputs) plus its largest gradients and working set. In forward
+``H(t)`` less its own internal saved storages, plus ``backward_peak[t]``: those storages as
+its ops free them, the gradients alive and the working set of the op running (NOTE
+[ Gradients in backward ]). In a checkpointed segment ``[a, b]``, stage ``t`` runs its
+backward with ``H(b)`` and what the recompute saved for stages ``a..t-1`` (a second copy of
+every storage they save; in reentrant mode also the segment's outputs and their gradients),
+plus its ``backward_peak``; the recompute itself peaks like a forward with the gradient
+entering ``b`` alive. In forward
 stage ``t`` peaks at what is held from earlier stages, the tensors crossing into it, and its
 own working set (profiled node by node on fake tensors). The estimate is the largest of all
 these. Because ``H`` only grows and every peak term depends on the choices before a cut only
 through ``H`` and whether the stage before the cut is checkpointed, a dynamic programme over
 cuts with Pareto frontiers of ``(H, cost)`` is exact for this model (:func:`optimal_ranges`).
 """
+
+# NOTE [ Gradients in backward ]
+# What autograd keeps alive in backward is read off the ops, not guessed from their shapes.
+# The profiler runs each node once more on fake copies of the activations it reads and then
+# its backward alone, from a fresh gradient of its output (autockpt.profile._probe_backward):
+# the most bytes that backward holds at once (gradients of its inputs and temporaries, less
+# what the node saved and has freed by then: a leaf module frees its internals op by op), and
+# per input whether the gradient handed on is new storage or the output's gradient itself (an
+# add passes it to both operands, a view to its base). ``_backward_grads`` then replays the
+# backward over the whole graph in reverse, buffer by buffer: a gradient passed through lives
+# until the last value holding it is done; a value read by several nodes (a residual stream)
+# keeps its first partial gradient until the others arrive, and autograd adds them out of
+# place (a new buffer, both parts freed); a gradient is freed once its producer has run
+# backward. The model's outputs get what the measure's sum loss gives them: an expanded
+# scalar, no bytes. A saved storage is freed once the first node that saved it has run
+# backward, so a stage's saved bytes shrink as its backward goes. None of this depends on
+# which stages are checkpointed (the backward runs the same ops), so each stage gets one
+# number, ``backward_peak``, and the dynamic programme stays exact for the model.
 
 from __future__ import annotations
 
@@ -457,7 +479,11 @@ class _Model:
         # own through them: the recomputed outputs, their incoming gradients (accumulated from
         # every reader) and the gradients it hands on are alive at once, and its detached
         # inputs get a .grad of their own before it is handed on.
-        extra = 3 * (self.unsaved_escape[b + 1] - self.unsaved_escape[a]) + c.crossing(a)
+        # Three copies of what escapes the segment, one of them already among the storages
+        # the recompute saves again when something saves it.
+        extra = (3 * (self.long_held[b + 1] - self.long_held[a] + self.outputs[b + 1]
+                      - self.outputs[a]) - (self.long_saved[b + 1] - self.long_saved[a])
+                 + c.crossing(a))
         boundary = 3 * c.crossing(b + 1) - c.cross_prev[b + 1] - c.cross_both[b + 1]
         lower += extra
         return max(lower + boundary, refwd + extra), after, lower

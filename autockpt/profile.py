@@ -273,6 +273,7 @@ class _ProfileRunner(torch.nn.Module):
                 flops = int(flop_counter.get_total_flops() - flops_before)
                 watcher.old_keys.update(_storage_key(t) for t in _tensors(value))
                 watcher.old_keys.update(_storage_key(t) for t in saved_now)
+                random = watcher.random  # before the probe resets the watcher
                 with _modules_untracked(flop_counter):
                     backward = _probe_backward(interpreter, node, ordered_inputs, storage_index,
                                                watcher, saved_now)
@@ -321,7 +322,7 @@ class _ProfileRunner(torch.nn.Module):
                     flops=flops,
                     output_bytes=output_bytes,
                     work_bytes=max(work_bytes, output_bytes),
-                    random=watcher.random,
+                    random=random,
                     trainable=trainable,
                     mutated_inputs=tuple(mutated_inputs),
                     mutated_buffers=tuple(sorted(mutated_buffers)),
