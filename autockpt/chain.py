@@ -20,15 +20,37 @@ one of three kinds:
 Backward runs the stages in reverse and frees a held storage once the earliest stage holding it
 is done, so while backward is in stage ``t`` the storages held by stages ``<= t`` are alive:
 ``H(t)``, which grows left to right. Not checkpointed, stage ``t`` peaks in backward at
-``H(t)`` plus the gradients crossing into it and its working set. A checkpointed segment
-``[a, b]`` peaks at ``H(b)`` plus its recompute (every storage it produces and saves, a second
-copy, and in reentrant mode its outputs) plus its largest gradients and working set. In forward
+``H(t)`` less its own internal saved storages, plus ``backward_peak[t]``: those storages as
+its ops free them, the gradients alive and the working set of the op running (NOTE
+[ Gradients in backward ]). In a checkpointed segment ``[a, b]``, stage ``t`` runs its
+backward with ``H(b)`` and what the recompute saved for stages ``a..t-1`` (a second copy of
+every storage they save; in reentrant mode also the segment's outputs and their gradients),
+plus its ``backward_peak``; the recompute itself peaks like a forward with the gradient
+entering ``b`` alive. In forward
 stage ``t`` peaks at what is held from earlier stages, the tensors crossing into it, and its
 own working set (profiled node by node on fake tensors). The estimate is the largest of all
 these. Because ``H`` only grows and every peak term depends on the choices before a cut only
 through ``H`` and whether the stage before the cut is checkpointed, a dynamic programme over
 cuts with Pareto frontiers of ``(H, cost)`` is exact for this model (:func:`optimal_ranges`).
 """
+
+# NOTE [ Gradients in backward ]
+# What autograd keeps alive in backward is read off the ops, not guessed from their shapes.
+# The profiler runs each node once more on fake copies of the activations it reads and then
+# its backward alone, from a fresh gradient of its output (autockpt.profile._probe_backward):
+# the most bytes that backward holds at once (gradients of its inputs and temporaries, less
+# what the node saved and has freed by then: a leaf module frees its internals op by op), and
+# per input whether the gradient handed on is new storage or the output's gradient itself (an
+# add passes it to both operands, a view to its base). ``_backward_grads`` then replays the
+# backward over the whole graph in reverse, buffer by buffer: a gradient passed through lives
+# until the last value holding it is done; a value read by several nodes (a residual stream)
+# keeps its first partial gradient until the others arrive, and autograd adds them out of
+# place (a new buffer, both parts freed); a gradient is freed once its producer has run
+# backward. The model's outputs get what the measure's sum loss gives them: an expanded
+# scalar, no bytes. A saved storage is freed once the first node that saved it has run
+# backward, so a stage's saved bytes shrink as its backward goes. None of this depends on
+# which stages are checkpointed (the backward runs the same ops), so each stage gets one
+# number, ``backward_peak``, and the dynamic programme stays exact for the model.
 
 from __future__ import annotations
 
@@ -93,13 +115,13 @@ class Chain:
     """Per stage: bytes of long-lived or output storages it produces and something saves."""
     output_bytes: tuple[int, ...]
     """Per stage: bytes of the model's output it produces (alive until the step ends)."""
-    grad_cross: tuple[int, ...]
-    """Per stage: gradient bytes alive when backward enters it (of tensors crossing its end,
-    the model's output included)."""
-    backward_work: tuple[int, ...]
-    """Per stage: working set of its backward: for its largest op, the gradients of the op's
-    inputs (and of its output, if that comes from inside the stage), or the op's forward
-    working set beyond what it saves, if larger (a leaf module's internals)."""
+    grad_entry: tuple[int, ...]
+    """Per stage: gradient bytes alive when backward enters it."""
+    backward_peak: tuple[int, ...]
+    """Per stage: peak of its backward over what is held from outside it: its own internal
+    saved storages, each freed once the ops that saved it have run backward, plus the
+    gradients alive and the working set of the op running (see NOTE [ Gradients in
+    backward ])."""
     forward_plain: tuple[int, ...]
     """Per stage: its forward peak over what it receives, when not checkpointed."""
     forward_ckpt: tuple[int, ...]
@@ -210,7 +232,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
     long_saved = [0] * count
     outputs = [0] * count
     prev, nxt, both, none = ([0] * (count + 1) for _ in range(4))
-    grad_cross = [0] * count
+    # Per stage, (first node that saves it, bytes) of its internal saved storages.
+    internal_spans: list[list[tuple[int, int]]] = [[] for _ in range(count)]
     # Storages held through the forward sweep of their own stage, per kind of stage.
     held_plain: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     held_ckpt: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
@@ -242,55 +265,122 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
         else:
             if p in savers:
                 internal[p] += size
+                internal_spans[p].append((min(st.saved_by), size))
             held_plain[p].append(
                 (st.producer, stages[p].end - 1 if p in savers else end_in_stage, size))
             held_ckpt[p].append((st.producer, end_in_stage, size))
-        last_stage = count if st.is_output else max(users, default=p)
-        if st.requires_grad:
-            for t in range(p, min(last_stage, count)):
-                grad_cross[t] += size
-    # What a node saves of its own making is already in the held or recomputed bytes; the
-    # rest of its forward working set is what its backward is assumed to allocate again.
-    # A node's backward allocates the gradients of its inputs; the gradient of its output is
-    # counted in ``grad_cross`` when it comes from a later stage, and here when it does not.
-    # A tensor read by several nodes of one stage has its gradient accumulated there: the
-    # first partial gradient stays alive while the other readers' backward runs.
-    own_saved = [0] * n
-    grad_in = [0] * n
-    fan_out = [0] * count
-    for st in profile.storages:
-        if st.producer in st.saved_by:
-            own_saved[st.producer] += st.size_bytes
-        if st.requires_grad:
-            readers = [u for u in st.users if u < n - 1]
-            for u in readers:
-                grad_in[u] += st.size_bytes
-            per_stage: dict[int, int] = {}
-            for u in readers:
-                per_stage[stage_of[u]] = per_stage.get(stage_of[u], 0) + 1
-            for s, readers_in_stage in per_stage.items():
-                if readers_in_stage > 1:
-                    fan_out[s] += st.size_bytes
-    work = [0] * count
+    grads_at, entry = _backward_grads(nodes, [stage.end for stage in stages])
+    peak = [0] * count
     for s, stage in enumerate(stages):
-        work[s] = fan_out[s] + max(
-            (
-                max(grad_in[m.index] + (m.output_bytes if m.index < stage.end - 1 else 0),
-                    m.work_bytes - own_saved[m.index])
-                for m in nodes[stage.start:stage.end]
-                if m.requires_grad
-            ),
-            default=0,
-        )
+        # Walk the stage backwards: a saved storage is alive until the first node that saved
+        # it has run its backward.
+        spans = sorted(internal_spans[s])
+        alive = sum(size for _, size in spans)
+        k = len(spans)
+        for u in range(stage.end - 1, stage.start - 1, -1):
+            if grads_at[u] is not None:
+                peak[s] = max(peak[s], alive + grads_at[u])
+            while k and spans[k - 1][0] >= u:
+                k -= 1
+                alive -= spans[k][1]
     forward_plain = [_sweep(nodes, stage, held_plain[s]) for s, stage in enumerate(stages)]
     forward_ckpt = [_sweep(nodes, stage, held_ckpt[s]) for s, stage in enumerate(stages)]
     return Chain(
         stages=tuple(stages), internal_saved=tuple(internal), cross_prev=tuple(prev),
         cross_next=tuple(nxt), cross_both=tuple(both), cross_none=tuple(none),
         long_held=tuple(long_held), long_saved=tuple(long_saved), output_bytes=tuple(outputs),
-        grad_cross=tuple(grad_cross), backward_work=tuple(work),
+        grad_entry=tuple(entry[s] for s in range(count)), backward_peak=tuple(peak),
         forward_plain=tuple(forward_plain), forward_ckpt=tuple(forward_ckpt),
     )
+
+
+def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
+                    ) -> tuple[list[int | None], list[int]]:
+    """Replay the backward over the graph, node by node in reverse, counting the gradient
+    bytes alive (see NOTE [ Gradients in backward ]).
+
+    Returns, per node, the most gradient bytes alive while its backward runs (its working set
+    included), or None when it runs no backward; and per stage, the gradient bytes alive when
+    backward enters it (stages are given by their ends).
+    """
+    n = len(nodes)
+    # Which value a node really reads: an in-place op whose result the graph does not use
+    # (``x.add_(y)``) makes a new autograd version that later readers of ``x`` see.
+    reads: list[list[int]] = [[] for _ in range(n)]
+    current: dict[int, int] = {}
+    for node in nodes:
+        reads[node.index] = [current.get(i, i) for i in node.inputs]
+        for producer in node.mutated_inputs:
+            if producer in node.inputs and not node.users:
+                current[producer] = node.index
+    carries = [node.requires_grad and node.op not in ("get_attr", "output", "placeholder")
+               for node in nodes]
+    size: dict[int, int] = {}  # buffer -> bytes
+    refs: dict[int, int] = {}  # buffer -> how many values' gradients it holds
+    grad_of: dict[int, int] = {}  # value -> buffer of its gradient (so far)
+    alive = 0
+    fresh = 0
+
+    def new(nbytes: int) -> int:
+        nonlocal alive, fresh
+        fresh += 1
+        size[fresh], refs[fresh] = nbytes, 1
+        alive += nbytes
+        return fresh
+
+    def drop(buffer: int) -> None:
+        nonlocal alive
+        refs[buffer] -= 1
+        if refs[buffer] == 0:
+            alive -= size.pop(buffer)
+            del refs[buffer]
+
+    def receive(value: int, buffer: int) -> int:
+        """Hand ``buffer`` to ``value`` as a partial gradient; the transient bytes it costs."""
+        old = grad_of.get(value)
+        if old is None:
+            grad_of[value] = buffer
+            return 0
+        total = new(nodes[value].grad_bytes)  # old + partial, out of place
+        drop(old)
+        drop(buffer)
+        grad_of[value] = total
+        return size[total]
+
+    # The loss (the sum the measure uses) hands the outputs an expanded scalar: no bytes.
+    for i in nodes[n - 1].inputs if n else ():
+        if carries[i]:
+            receive(i, new(0))
+    grads_at: list[int | None] = [None] * n
+    entry = [0] * len(stage_ends)
+    last_of = {end - 1: t for t, end in enumerate(stage_ends)}
+    for u in range(n - 2, -1, -1):
+        if u in last_of:
+            entry[last_of[u]] = alive
+        node = nodes[u]
+        out = grad_of.pop(u, None)
+        if not carries[u] or out is None:
+            if out is not None:
+                drop(out)
+            continue
+        probed = len(node.input_grad_bytes) == len(node.inputs)
+        targets = [(k, v) for k, v in enumerate(reads[u]) if carries[v]]
+        if probed:
+            work = node.backward_bytes
+        else:  # not probed: a new gradient for every input
+            work = sum(nodes[v].grad_bytes for _, v in targets)
+        peak = alive + work
+        for k, v in targets:
+            handed = node.input_grad_bytes[k] if probed else nodes[v].grad_bytes
+            if handed:
+                buffer = new(handed)
+            else:
+                buffer = out
+                refs[out] += 1
+            peak = max(peak, alive + receive(v, buffer))
+        drop(out)
+        grads_at[u] = peak
+    return grads_at, entry
 
 
 def _sweep(nodes: Sequence[NodeStat], stage: Stage, spans: list[tuple[int, int, int]]) -> int:
@@ -310,6 +400,19 @@ def _sweep(nodes: Sequence[NodeStat], stage: Stage, spans: list[tuple[int, int, 
 
 
 # --------------------------------------------------------------------------- the model
+
+
+def _running_max(values: Sequence[int]) -> list[list[int]]:
+    """``out[a][k]``: the largest of ``values[a : a + k + 1]``."""
+    out = []
+    for a in range(len(values)):
+        row = []
+        best = values[a]
+        for v in values[a:]:
+            best = max(best, v)
+            row.append(best)
+        out.append(row)
+    return out
 
 
 class _Model:
@@ -337,6 +440,21 @@ class _Model:
         self.unsaved_escape = prefix([c.long_held[t] + c.output_bytes[t] - c.long_saved[t]
                                       for t in range(self.count)])
         self.base = sum(c.output_bytes)
+        # NOTE [ Gradients in backward ]: inside a checkpointed segment that starts at ``a``,
+        # stage ``t`` runs its backward with the segment's recomputed storages of stages
+        # ``a..t-1`` still alive (each is freed when the op that saved it has run backward),
+        # the crossing storages saved at cuts ``a+1..t`` and what ``t`` saves at ``t+1``.
+        # That is ``key[t] - start[a]``: the largest over a segment is a range maximum.
+        pb = [c.cross_prev[k] + c.cross_both[k] for k in range(self.count + 1)]
+        self.key = [self.internal[t] + self.cross_saved[t + 1] + pb[t + 1]
+                    + self.long_saved[t + 1] + c.backward_peak[t] for t in range(self.count)]
+        self.start = [self.internal[a] + self.cross_saved[a + 1] + self.long_saved[a]
+                      for a in range(self.count)]
+        # Recomputing stage t: what stages a..t-1 saved, what crosses into t, t's sweep.
+        refwd = [self.internal[t] + self.cross_saved[t] + c.crossing(t) + self.long_saved[t]
+                 + c.forward_plain[t] for t in range(self.count)]
+        self.key_max = _running_max(self.key)
+        self.refwd_max = _running_max(refwd)
 
     def plain(self, t: int, before: int, held: int) -> tuple[int, int]:
         """Stage ``t`` not checkpointed: its peak, and the held bytes after it."""
@@ -345,7 +463,7 @@ class _Model:
         after = (held + received + c.internal_saved[t] + c.long_held[t]
                  + c.cross_prev[t + 1] + c.cross_both[t + 1])
         forward = held + c.crossing(t) + self.outputs[t] + c.forward_plain[t]
-        backward = after + self.base + c.grad_cross[t] + c.backward_work[t]
+        backward = after - c.internal_saved[t] + self.base + c.backward_peak[t]
         return max(forward, backward), after
 
     def segment(self, a: int, b: int, held: int, inputs: int
@@ -356,23 +474,24 @@ class _Model:
         ``inputs`` is what ``a`` newly holds of the tensors crossing into it."""
         c = self.chain
         after = held + inputs + self.long_held[b + 1] - self.long_held[a]
-        recompute = (self.internal[b + 1] - self.internal[a]
-                     + self.cross_saved[b + 1] - self.cross_saved[a + 1]
-                     + self.long_saved[b + 1] - self.long_saved[a])
-        # What crosses out at b + 1 depends on where the segment ends, not on its length.
-        boundary = c.cross_prev[b + 1] + c.cross_both[b + 1]
-        if self.reentrant:
-            # Reentrant backward re-runs the segment to its outputs and runs a backward of its
-            # own through them: the recomputed outputs, their incoming gradients (accumulated
-            # from every reader) and the gradients it hands on are alive at once, and its
-            # detached inputs get a .grad of their own before it is handed on.
-            recompute += (3 * (self.unsaved_escape[b + 1] - self.unsaved_escape[a])
-                          + c.crossing(a))
-            boundary = 3 * c.crossing(b + 1) - boundary
-        grads = max(c.grad_cross[a:b + 1])
-        work = max(c.backward_work[a:b + 1])
-        lower = after + self.base + recompute + grads + work
-        return lower + boundary, after, lower
+        held_now = after + self.base
+        lower = held_now + self.key_max[a][b - a] - self.start[a]
+        refwd = held_now + c.grad_entry[b] + self.refwd_max[a][b - a] - (
+            self.internal[a] + self.cross_saved[a + 1] + self.long_saved[a])
+        if not self.reentrant:
+            return max(lower, refwd), after, lower
+        # Reentrant backward re-runs the segment to its outputs and runs a backward of its
+        # own through them: the recomputed outputs, their incoming gradients (accumulated from
+        # every reader) and the gradients it hands on are alive at once, and its detached
+        # inputs get a .grad of their own before it is handed on.
+        # Three copies of what escapes the segment, one of them already among the storages
+        # the recompute saves again when something saves it.
+        extra = (3 * (self.long_held[b + 1] - self.long_held[a] + self.outputs[b + 1]
+                      - self.outputs[a]) - (self.long_saved[b + 1] - self.long_saved[a])
+                 + c.crossing(a))
+        boundary = 3 * c.crossing(b + 1) - c.cross_prev[b + 1] - c.cross_both[b + 1]
+        lower += extra
+        return max(lower + boundary, refwd + extra), after, lower
 
     def segment_inputs(self, a: int, before: int) -> int:
         c = self.chain
@@ -397,7 +516,7 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
         >>> chain = Chain(stages=(Stage(0, 1, 1, 1, True),), internal_saved=(64,),
         ...               cross_prev=(0, 0), cross_next=(0, 0), cross_both=(0, 0),
         ...               cross_none=(0, 0), long_held=(0,), long_saved=(0,),
-        ...               output_bytes=(8,), grad_cross=(8,), backward_work=(16,),
+        ...               output_bytes=(8,), grad_entry=(0,), backward_peak=(88,),
         ...               forward_plain=(72,), forward_ckpt=(8,))
         >>> estimate_peak(chain, ())   # 64 held + 8 output + 8 gradient + 16 working set
         96
@@ -478,7 +597,7 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
         >>> chain = Chain(stages=(Stage(0, 1, 1, 1, True),), internal_saved=(64,),
         ...               cross_prev=(0, 0), cross_next=(0, 0), cross_both=(0, 0),
         ...               cross_none=(0, 0), long_held=(0,), long_saved=(0,),
-        ...               output_bytes=(8,), grad_cross=(8,), backward_work=(16,),
+        ...               output_bytes=(8,), grad_entry=(0,), backward_peak=(88,),
         ...               forward_plain=(72,), forward_ckpt=(8,))
         >>> optimal_ranges(chain, 200)
         ((), 96)

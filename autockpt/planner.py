@@ -150,7 +150,7 @@ def _split_balanced(chain: Chain, k: int) -> list[tuple[int, int]]:
     """Split the gradient-carrying stages into about ``k`` groups of similar cost, never
     across a stage that carries no gradient."""
     runs = _grad_runs(chain)
-    total = sum(chain.backward_work[t] + 1 for a, b in runs for t in range(a, b + 1))
+    total = sum(chain.backward_peak[t] + 1 for a, b in runs for t in range(a, b + 1))
     if not runs or k <= 0:
         return []
     share = total / k
@@ -158,7 +158,7 @@ def _split_balanced(chain: Chain, k: int) -> list[tuple[int, int]]:
     for a, b in runs:
         start, acc = a, 0.0
         for t in range(a, b + 1):
-            acc += chain.backward_work[t] + 1
+            acc += chain.backward_peak[t] + 1
             if acc >= share and t < b:
                 groups.append((start, t))
                 start, acc = t + 1, 0.0

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import InvalidArgumentError
@@ -53,13 +55,19 @@ class _OpWatcher(TorchDispatchMode):
         self._live: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.freed_bytes = 0
 
     def reset(self) -> None:
         self.random = False
         self.written = set()
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.freed_bytes = 0
         self._live = {}
+
+    def note_freed(self, size: int, _ref: object) -> None:
+        """An older storage (saved by the node whose backward runs) was freed."""
+        self.freed_bytes += size
 
     def _release(self, key: int, _ref: object) -> None:
         self.live_bytes -= self._live.pop(key, 0)
@@ -75,7 +83,7 @@ class _OpWatcher(TorchDispatchMode):
         self._live[key] = size
         self._refs.append(weakref.ref(storage, functools.partial(self._release, key)))
         self.live_bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes - self.freed_bytes)
 
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -241,6 +249,7 @@ class _ProfileRunner(torch.nn.Module):
                 watcher.reset()
                 saved_now.clear()
                 input_nodes = node.all_input_nodes
+                ordered_inputs = sorted(input_nodes, key=position.__getitem__)
                 if node.op == "placeholder":
                     value = next(args_iter)
                 elif node.op == "output":
@@ -264,8 +273,13 @@ class _ProfileRunner(torch.nn.Module):
                     }
                 )
                 work_bytes = watcher.peak_bytes
+                flops = int(flop_counter.get_total_flops() - flops_before)
                 watcher.old_keys.update(_storage_key(t) for t in _tensors(value))
                 watcher.old_keys.update(_storage_key(t) for t in saved_now)
+                random = watcher.random  # before the probe resets the watcher
+                with _modules_untracked(flop_counter):
+                    backward = _probe_backward(interpreter, node, ordered_inputs, storage_index,
+                                               watcher, saved_now)
                 out_storages: list[int] = []
                 output_bytes = 0
                 if node.op not in ("output", "get_attr"):
@@ -308,13 +322,16 @@ class _ProfileRunner(torch.nn.Module):
                     users=tuple(sorted(position[u] for u in node.users)),
                     output_kind=_output_kind(node, value),
                     requires_grad=any(t.requires_grad for t in _tensors(value)),
-                    flops=int(flop_counter.get_total_flops() - flops_before),
+                    flops=flops,
                     output_bytes=output_bytes,
                     work_bytes=max(work_bytes, output_bytes),
-                    random=watcher.random,
+                    random=random,
                     trainable=trainable,
                     mutated_inputs=tuple(mutated_inputs),
                     mutated_buffers=tuple(sorted(mutated_buffers)),
+                    backward_bytes=backward[0] if backward else 0,
+                    input_grad_bytes=backward[1] if backward else (),
+                    grad_bytes=_grad_size(value),
                 )
                 node.meta["autockpt"] = stat
                 self._stats.append(stat)
@@ -422,6 +439,111 @@ def _run_real(
         return value
 
     return tree_map(to_fake, out)
+def _grad_size(value: Any) -> int:
+    """Bytes of the gradients of the tensors in ``value`` that require grad."""
+    seen: set[int] = set()
+    total = 0
+    for t in _tensors(value):
+        if t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+@contextlib.contextmanager
+def _modules_untracked(flop_counter: FlopCounterMode) -> Iterator[None]:
+    """Lift the flop counter's module hooks for a while: they put backward hooks on module
+    inputs that ``torch.autograd.grad`` refuses (and nothing is counted meanwhile anyway)."""
+    tracker = getattr(flop_counter, "mod_tracker", None)
+    if tracker is None:
+        yield
+        return
+    tracker.__exit__()
+    try:
+        yield
+    finally:
+        tracker.__enter__()
+
+
+def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.Node],
+                    storage_index: dict[int, int], watcher: _OpWatcher,
+                    saved_now: list[torch.Tensor]) -> tuple[int, tuple[int, ...]] | None:
+    """Run one node again on fake leaf copies of the activations it reads, then its backward
+    from a fresh gradient of its output (see NOTE [ Gradients in backward ] in
+    :mod:`autockpt.chain`).
+
+    Returns the most new bytes alive at once in that backward, less the bytes the node saved
+    that the backward has already freed (the internals of a leaf module are freed op by op),
+    and per input the bytes of new storage handed on as its gradient. None when nothing is
+    differentiated, or when the node cannot run so on fake tensors (the chain then falls back
+    to the inputs' sizes).
+    """
+    if node.op in ("placeholder", "output", "get_attr"):
+        return None
+    env = interpreter.env
+    originals = {i: env[i] for i in inputs if i in env}
+    leaves: list[tuple[int, torch.Tensor]] = []
+    edges: list[Any] = []
+
+    def fresh(k: int, value: Any) -> Any:
+        if (isinstance(value, torch.Tensor) and value.requires_grad
+                and _storage_key(value) in storage_index):
+            # A copy with a history of its own (an in-place op may write to it), whose
+            # gradient is taken where it enters that history.
+            copy = value.detach().requires_grad_().clone()
+            leaves.append((k, copy))
+            edges.append(torch.autograd.graph.get_gradient_edge(copy))
+            return copy
+        return value
+
+    substituted = {i: tree_map(functools.partial(fresh, k), originals[i])
+                   for k, i in enumerate(inputs) if i in originals}
+    if not leaves:
+        return None
+    mark = len(saved_now)
+    try:
+        env.update(substituted)
+        out = interpreter.run_node(node)
+    except Exception:  # noqa: BLE001 - cannot run twice on fake tensors: use the fallback
+        return None
+    finally:
+        env.update(originals)
+        saved = saved_now[mark:]
+        del saved_now[mark:]
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    if not outs:
+        return None
+    seeds = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in outs]
+    leaf_keys = {_storage_key(t) for _, t in leaves}
+    temp_old = ({_storage_key(t) for t in [*outs, *seeds, *saved]} | leaf_keys) - watcher.old_keys
+    # What the node saved of its own making is freed as its backward runs.
+    own: dict[int, torch.UntypedStorage] = {}
+    for t in saved:
+        key = _storage_key(t)
+        if key not in leaf_keys:
+            own.setdefault(key, t.untyped_storage())
+    watcher.reset()
+    watcher.old_keys |= temp_old
+    refs = [weakref.ref(st, functools.partial(watcher.note_freed, st.nbytes()))
+            for st in own.values()]
+    del saved, own, out
+    try:
+        grads = torch.autograd.grad(outs, edges, seeds, allow_unused=True)
+    except Exception:  # noqa: BLE001 - an op without a fake backward: use the fallback
+        return None
+    finally:
+        watcher.old_keys -= temp_old
+        del refs
+    per_input = [0] * len(inputs)
+    seen = {_storage_key(g) for g in seeds}
+    for (k, _), grad in zip(leaves, grads):
+        if grad is None:
+            continue
+        key = _storage_key(grad)
+        if key not in seen:
+            seen.add(key)
+            per_input[k] += grad.untyped_storage().nbytes()
+    return max(watcher.peak_bytes, 0), tuple(per_input)
 
 
 def _target_name(node: fx.Node) -> str:

@@ -51,6 +51,16 @@ class NodeStat:
     mutated_buffers: tuple[str, ...]
     """Qualified names of buffers this node updates in forward (BatchNorm running statistics):
     a recompute would update them a second time."""
+    backward_bytes: int = 0
+    """Most bytes of new storages alive at once while the node's backward runs, from the
+    gradient of its output to the gradients of the activations it reads: those gradients and
+    the temporaries of its backward ops (not parameter gradients)."""
+    input_grad_bytes: tuple[int, ...] = ()
+    """Per entry of ``inputs``: bytes of new storage its backward hands on as that input's
+    gradient; 0 when it hands on the gradient of its output itself (an add, a view) or none
+    (empty when the backward was not probed)."""
+    grad_bytes: int = 0
+    """Bytes of the gradient of its output (its tensors that require grad)."""
 
 
 @dataclass(frozen=True)

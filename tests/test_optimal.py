@@ -61,7 +61,7 @@ def random_chain(rng: random.Random, count: int) -> Chain:
         cross_prev=cross[0], cross_next=cross[1], cross_both=cross[2], cross_none=cross[3],
         long_held=ints(count, 20), long_saved=ints(count, 20), output_bytes=(0,) * (count - 1)
         + (rng.randrange(1, 30),),
-        grad_cross=ints(count, 60), backward_work=ints(count, 80),
+        grad_entry=ints(count, 60), backward_peak=ints(count, 300),
         forward_plain=ints(count, 300), forward_ckpt=ints(count, 100),
     )
 
