@@ -369,6 +369,7 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
             work = node.backward_bytes
         else:  # not probed: a new gradient for every input
             work = sum(nodes[v].grad_bytes for _, v in targets)
+        work += node.param_grad_temp_bytes
         peak = alive + work
         for k, v in targets:
             handed = node.input_grad_bytes[k] if probed else nodes[v].grad_bytes

@@ -21,6 +21,7 @@ from typing import Any
 import contextlib
 import functools
 import weakref
+from dataclasses import replace
 from collections.abc import Iterator
 
 import torch
@@ -206,6 +207,7 @@ class _ProfileRunner(torch.nn.Module):
         self._input_keys = input_keys
         self._buffer_names = buffer_names
         self._stats: list[NodeStat] = []
+        self._param_reads: list[dict[int, int]] = []
         self._storages: list[dict[str, Any]] = []
 
     def forward(self, *values_in: Any) -> None:
@@ -303,9 +305,15 @@ class _ProfileRunner(torch.nn.Module):
                         if node.op == "output":
                             storages[slot]["is_output"] = True
                 trainable = False
+                read_params = [interpreter.env.get(i) for i in input_nodes if i.op == "get_attr"]
                 if node.op == "call_module":
                     module = gm.get_submodule(str(node.target))
                     trainable = any(p.requires_grad for p in module.parameters())
+                    read_params += list(module.parameters())
+                self._param_reads.append({
+                    _storage_key(t): t.untyped_storage().nbytes() for t in read_params
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                })
                 trainable = trainable or any(
                     i.op == "get_attr"
                     and isinstance(interpreter.env.get(i), torch.Tensor)
@@ -350,6 +358,16 @@ class _ProfileRunner(torch.nn.Module):
                          failure)
 
     def result(self, description: str) -> Profile:
+        # A parameter read by several nodes gets one gradient per reader; all but the one
+        # whose backward runs first (the last reader in forward) are temporaries.
+        last_reader: dict[int, int] = {}
+        for index, reads in enumerate(self._param_reads):
+            for key in reads:
+                last_reader[key] = index
+        for index, reads in enumerate(self._param_reads):
+            temp = sum(size for key, size in reads.items() if last_reader[key] != index)
+            if temp:
+                self._stats[index] = replace(self._stats[index], param_grad_temp_bytes=temp)
         storages = tuple(
             StorageStat(
                 size_bytes=s["size_bytes"],

@@ -61,6 +61,10 @@ class NodeStat:
     (empty when the backward was not probed)."""
     grad_bytes: int = 0
     """Bytes of the gradient of its output (its tensors that require grad)."""
+    param_grad_temp_bytes: int = 0
+    """Bytes of parameter gradients its backward makes as temporaries: for a parameter that a
+    later node reads too (tied embeddings), that node's backward runs first and its gradient
+    becomes ``.grad``; this node's is made apart and then added in."""
 
 
 @dataclass(frozen=True)

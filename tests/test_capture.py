@@ -148,7 +148,9 @@ def test_untraceable_models_train_like_the_original(case: ZooCase, rung: str, fr
     for name, param in transformed.named_parameters(remove_duplicate=False):
         assert param is params[name]
     _assert_same_step(case, reference, transformed)
-    report = autockpt.measure(transformed, args, example_kwargs=kwargs, loss_fn=case.loss_fn)
+    # The budget is defined with measure's default loss (see autockpt.measure): a loss of
+    # one's own adds its own gradient of the output, which no plan can remove.
+    report = autockpt.measure(transformed, args, example_kwargs=kwargs)
     assert report.peak_activation_bytes <= budget * (1 + BUDGET_SLACK)
 
 
