@@ -208,6 +208,9 @@ class _ProfileRunner(torch.nn.Module):
         self._buffer_names = buffer_names
         self._stats: list[NodeStat] = []
         self._param_reads: list[dict[int, int]] = []
+        # Probing a backward is the dearest part of the profile, and the layers of a deep
+        # model repeat the same ops on the same shapes: one probe per distinct call.
+        self._probes: dict[tuple[Any, ...], tuple[int, tuple[int, ...]] | None] = {}
         self._storages: list[dict[str, Any]] = []
 
     def forward(self, *values_in: Any) -> None:
@@ -279,9 +282,15 @@ class _ProfileRunner(torch.nn.Module):
                 watcher.old_keys.update(_storage_key(t) for t in _tensors(value))
                 watcher.old_keys.update(_storage_key(t) for t in saved_now)
                 random = watcher.random  # before the probe resets the watcher
-                with _modules_untracked(flop_counter):
-                    backward = _probe_backward(interpreter, node, ordered_inputs, storage_index,
-                                               watcher, saved_now)
+                probe_key = _probe_key(interpreter, node, storage_index)
+                if probe_key is not None and probe_key in self._probes:
+                    backward = self._probes[probe_key]
+                else:
+                    with _modules_untracked(flop_counter):
+                        backward = _probe_backward(interpreter, node, ordered_inputs,
+                                                   storage_index, watcher, saved_now)
+                    if probe_key is not None:
+                        self._probes[probe_key] = backward
                 out_storages: list[int] = []
                 output_bytes = 0
                 if node.op not in ("output", "get_attr"):
@@ -481,6 +490,51 @@ def _modules_untracked(flop_counter: FlopCounterMode) -> Iterator[None]:
         yield
     finally:
         tracker.__enter__()
+
+
+_SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
+           torch.layout)
+
+
+def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[int, int]
+               ) -> tuple[Any, ...] | None:
+    """What a node's backward probe depends on: the op, and for each argument its value, or
+    for a tensor its shape, strides, dtype, whether it is an activation that carries gradient
+    and which earlier argument it shares storage with. ``None`` when an argument is something
+    else (then the node is probed on its own)."""
+    seen: dict[int, int] = {}
+
+    def describe(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            value = interpreter.env.get(value)
+        if isinstance(value, torch.Tensor):
+            key = _storage_key(value)
+            alias = seen.setdefault(key, len(seen))
+            return ("T", tuple(value.shape), value.stride(), value.storage_offset(),
+                    value.dtype, value.requires_grad, key in storage_index, alias)
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, *(describe(v) for v in value))
+        if isinstance(value, dict):
+            return ("dict", *((k, describe(v)) for k, v in value.items()))
+        if isinstance(value, _SIMPLE):
+            return value
+        raise TypeError  # not described: no sharing
+
+    if node.op == "call_module":
+        module = interpreter.module.get_submodule(str(node.target))
+        target: Any = (type(module), tuple(
+            (name, tuple(t.shape), t.dtype, t.requires_grad)
+            for name, t in [*module.named_parameters(), *module.named_buffers()]))
+        if any(True for _ in module.children()) or module.training is False:
+            return None  # composite leaves may hide state; probe each one
+    elif node.op in ("call_function", "call_method"):
+        target = node.target
+    else:
+        return None
+    try:
+        return (node.op, target, describe(node.args), describe(node.kwargs))
+    except TypeError:
+        return None
 
 
 def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.Node],
