@@ -18,6 +18,7 @@ from torch import nn
 from autockpt.capture import CAPTURES
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.planner import MODES, STRATEGIES, Plan
+from autockpt.timing import COSTS
 from autockpt.runtime import ApplyConfig, is_checkpointed, make_any_plan, make_checkpointed
 from autockpt.trace import base_class
 
@@ -36,6 +37,7 @@ def apply(
     mode: str = "non_reentrant",
     strategy: str = "optimal",
     capture: str = "auto",
+    cost: str = "flops",
 ) -> nn.Module:
     """Return a module that trains like ``model`` with activation memory within ``budget_mb``.
 
@@ -63,6 +65,12 @@ def apply(
             submodules it cannot trace kept whole) and ``"modules"`` (checkpointing whole
             submodules, planned with hooks) in that order; name one to use only it. The
             plan's ``capture`` says which was used and ``capture_reason`` why.
+        cost: what the planner minimises as recompute cost: ``"flops"`` (default; FLOPs plus
+            bytes written, from the fake-tensor profile, so the same plan every time) or
+            ``"profile"`` (each graph node timed on the real device with the example inputs:
+            closer to real step time, but timings are noisy, so plans may differ from run to
+            run). The ``"modules"`` rung has no graph to time and plans by FLOPs; the plan's
+            ``cost_model`` says which was used.
 
     Example:
         >>> import torch, autockpt
@@ -84,6 +92,7 @@ def apply(
     _check_choice("mode", mode, MODES)
     _check_choice("strategy", strategy, tuple(STRATEGIES))
     _check_choice("capture", capture, CAPTURES)
+    _check_choice("cost", cost, COSTS)
     if plan is not None and not isinstance(plan, Plan):
         raise InvalidArgumentError(
             f"plan must be an autockpt.Plan, got {type(plan).__name__}",
@@ -97,7 +106,7 @@ def apply(
     if plan is not None:
         mode = plan.mode  # a plan's memory estimate holds for the mode it was made for
     config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan,
-                         capture=capture)
+                         capture=capture, cost=cost)
     # A transformed module can be applied again: the new one shares the same tree.
     transformed = make_checkpointed(model, config)
     if example_inputs is not None or example_kwargs is not None:
@@ -116,6 +125,7 @@ def plan(
     mode: str = "non_reentrant",
     strategy: str = "optimal",
     capture: str = "auto",
+    cost: str = "flops",
 ) -> Plan:
     """Plan checkpoint segments for ``model`` at these inputs without changing anything.
 
@@ -130,7 +140,7 @@ def plan(
         >>> p.estimated_peak_bytes <= p.budget_bytes
         True
 
-    ``capture`` is as for :func:`apply`.
+    ``capture`` and ``cost`` are as for :func:`apply`.
 
     Raises:
         InvalidArgumentError, TraceError, InfeasibleBudgetError: as for :func:`apply`.
@@ -140,6 +150,7 @@ def plan(
     _check_choice("mode", mode, MODES)
     _check_choice("strategy", strategy, tuple(STRATEGIES))
     _check_choice("capture", capture, CAPTURES)
+    _check_choice("cost", cost, COSTS)
     if example_inputs is None and example_kwargs is None:
         raise InvalidArgumentError(
             "plan() needs example inputs: activation sizes depend on the input size",
@@ -149,7 +160,7 @@ def plan(
 
     def run() -> Plan:
         return make_any_plan(model, args, kwargs, budget_bytes, strategy=strategy, mode=mode,
-                             method=capture)
+                             method=capture, cost=cost)
 
     return _with_context(model, args, kwargs, run)
 

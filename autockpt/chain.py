@@ -62,7 +62,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from autockpt.stats import NodeStat, Profile
+from autockpt.stats import NodeStat, Profile, node_cost
 
 __all__ = ["Stage", "Chain", "Ranges", "build_chain", "estimate_peak", "recompute_cost",
            "optimal_ranges"]
@@ -82,7 +82,7 @@ class Stage:
     end: int
     """Position one past its last node."""
     cost: int
-    """Cost of recomputing it: FLOPs plus bytes written, so memory-bound ops are not free."""
+    """Cost of recomputing it: the sum of its nodes' :func:`~autockpt.stats.node_cost`."""
     flops: int
     """FLOPs of its nodes."""
     carries_grad: bool
@@ -224,7 +224,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
         stage_of[lo:hi] = [s] * (hi - lo)
         flops = sum(m.flops for m in members)
         stages.append(Stage(start=lo, end=hi, flops=flops,
-                            cost=flops + sum(m.output_bytes for m in members),
+                            cost=sum(node_cost(m) for m in members),
                             carries_grad=any(m.requires_grad for m in members)))
     stage_of[n - 1] = count
     internal = [0] * count

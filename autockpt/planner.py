@@ -118,6 +118,12 @@ class Plan:
     ``"modules"`` (module-level planning with hooks); see :mod:`autockpt.capture`."""
     capture_reason: str = ""
     """Why the earlier ways of capturing were not used (empty when torch.fx worked)."""
+    cost_model: str = "flops"
+    """What the recompute cost the segments were chosen by measures: ``"flops"`` (FLOPs plus
+    bytes written, from the fake-tensor profile; the same plan every time) or ``"profile"``
+    (each node timed on the real device, :func:`autockpt.timing.time_nodes`; timings are
+    noisy, so two runs may give different plans). ``recompute_flops`` counts FLOPs either
+    way."""
 
     @property
     def recompute_ratio(self) -> float:

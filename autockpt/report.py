@@ -85,6 +85,9 @@ def plan_summary(plan: Plan) -> list[str]:
         f"  recompute       {format_flops(plan.recompute_flops)} ({ratio})",
         f"  segments        {len(plan.segments)} checkpointed, {len(plan.skipped)} left alone",
     ]
+    if plan.cost_model != "flops":
+        # Only worth a line when it differs from the default: timed plans are not reproducible.
+        header.append(f"  cost model      {plan.cost_model} (node times measured on the device)")
     if plan.capture != "fx":
         # Only worth a line when the first rung of the ladder failed: it says why.
         header.append(f"  captured by     {CAPTURE_LABELS.get(plan.capture, plan.capture)}")

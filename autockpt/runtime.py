@@ -37,6 +37,7 @@ from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import profile
 from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
+from autockpt.timing import time_nodes
 from autockpt.trace import TracedModel, base_class, bind_inputs
 
 __all__ = [
@@ -69,6 +70,8 @@ class ApplyConfig:
     """A plan given by the user: applied as it is to every input size."""
     capture: str = "auto"
     """How to capture the forward (see :data:`autockpt.capture.CAPTURES`)."""
+    cost: str = "flops"
+    """The recompute cost model (see :data:`autockpt.timing.COSTS`)."""
 
 
 @dataclass
@@ -169,7 +172,7 @@ class RuntimeState:
         if isinstance(traced, NoGraph):
             made, prof = plan_blocks(module, args, kwargs, traced.reason,
                                      self.config.budget_bytes, strategy=self.config.strategy,
-                                     mode=self.config.mode)
+                                     mode=self.config.mode, cost=self.config.cost)
             variant = _Variant(key=key, plan=plan if plan is not None else made, program=None,
                                param_names=(), blocks=prof)
             modules.blocks_of_plan(prof, variant.plan)  # a given plan must name these blocks
@@ -180,7 +183,8 @@ class RuntimeState:
             check_plan_fits(plan, traced, fingerprint)
         else:
             plan = plan_graph(module, traced, arguments, self.config.budget_bytes,
-                              strategy=self.config.strategy, mode=self.config.mode)
+                              strategy=self.config.strategy, mode=self.config.mode,
+                              cost=self.config.cost)
         variant_id = self._next_id
         self._next_id += 1
         program = compile_plan(module, traced, plan, variant_id)
@@ -208,8 +212,12 @@ def plan_blocks(
     *,
     strategy: str,
     mode: str,
+    cost: str = "flops",
 ) -> tuple[Plan, modules.ModuleProfile]:
-    """The ``"modules"`` rung: profile whole submodules with hooks and plan over them."""
+    """The ``"modules"`` rung: profile whole submodules with hooks and plan over them.
+
+    It has no graph to time node by node: ``cost="profile"`` plans by FLOPs here, and the
+    plan's notes say so."""
     from autockpt.trace import shallow_view
 
     _refuse_caches(module, args, kwargs)
@@ -218,8 +226,11 @@ def plan_blocks(
     with modules.suspended(view):
         plan, prof = modules.build(view, args, kwargs, budget_bytes=budget_bytes, mode=mode,
                                    strategy=strategy)
+    notes = plan.notes
+    if cost != "flops":
+        notes += (f"cost={cost!r} needs a graph to time; the modules rung planned by FLOPs",)
     return replace(plan, model=base_class(module).__name__, capture="modules",
-                   capture_reason=reason), prof
+                   capture_reason=reason, notes=notes), prof
 
 
 def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -248,15 +259,16 @@ def make_any_plan(
     strategy: str,
     mode: str,
     method: str,
+    cost: str = "flops",
 ) -> Plan:
     """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
     does)."""
     traced = capture(module, args, kwargs, method)
     if isinstance(traced, NoGraph):
         return plan_blocks(module, args, kwargs, traced.reason, budget_bytes,
-                           strategy=strategy, mode=mode)[0]
+                           strategy=strategy, mode=mode, cost=cost)[0]
     return plan_graph(module, traced, bind_inputs(module, args, kwargs), budget_bytes,
-                      strategy=strategy, mode=mode)
+                      strategy=strategy, mode=mode, cost=cost)
 
 
 def plan_graph(
@@ -267,15 +279,22 @@ def plan_graph(
     *,
     strategy: str,
     mode: str,
+    cost: str = "flops",
 ) -> Plan:
     """Profile a captured graph on fake tensors and plan it (what :func:`autockpt.plan` and
-    the first training forward of a transformed module both do)."""
+    the first training forward of a transformed module both do). With ``cost="profile"``
+    the nodes are also timed on the real device and the planner weighs recompute by time."""
     inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
     stats = profile(traced, inputs)
+    if cost == "profile":
+        times = time_nodes(traced, inputs)
+        stats = replace(stats, nodes=tuple(replace(node, time_ns=t)
+                                           for node, t in zip(stats.nodes, times)))
     plan = make_plan(stats, budget_bytes, strategy=strategy, mode=mode,
                      model=base_class(module).__name__)
     return replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
-                   capture=traced.capture, capture_reason=traced.capture_reason)
+                   capture=traced.capture, capture_reason=traced.capture_reason,
+                   cost_model=cost)
 
 
 def check_plan_fits(plan: Plan, traced: TracedModel, fingerprint: str) -> None:

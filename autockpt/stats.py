@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["NodeStat", "StorageStat", "Profile"]
+__all__ = ["NodeStat", "StorageStat", "Profile", "node_cost"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,30 @@ class NodeStat:
     """Bytes of parameter gradients its backward makes as temporaries: for a parameter that a
     later node reads too (tied embeddings), that node's backward runs first and its gradient
     becomes ``.grad``; this node's is made apart and then added in."""
+    time_ns: int | None = None
+    """Median measured forward time of the node in nanoseconds, when it was timed on the real
+    device (``cost="profile"``, :func:`autockpt.timing.time_nodes`); ``None`` otherwise."""
+
+
+def node_cost(node: NodeStat) -> int:
+    """What recomputing ``node`` costs the planner: its measured time in nanoseconds when it
+    was timed, else its FLOPs plus the bytes it writes (so that memory-bound ops are not free).
+
+    Within one profile either every node is timed or none is, so costs are never a mix of
+    units.
+
+    Example:
+        >>> from dataclasses import replace
+        >>> n = NodeStat(index=1, name="relu", op="call_module", target="1", module_path="1",
+        ...              inputs=(0,), users=(2,), output_kind="tensor", requires_grad=True,
+        ...              flops=0, output_bytes=128, work_bytes=128, random=False,
+        ...              trainable=False, mutated_inputs=(), mutated_buffers=())
+        >>> node_cost(n), node_cost(replace(n, time_ns=2500))
+        (128, 2500)
+    """
+    if node.time_ns is not None:
+        return node.time_ns
+    return node.flops + node.output_bytes
 
 
 @dataclass(frozen=True)
