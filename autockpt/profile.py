@@ -42,7 +42,10 @@ class _OpWatcher(TorchDispatchMode):
     """Notes whether an op that consumes the RNG ran, and which storages ops wrote in place.
 
     Writes are read off each op's schema (``Tensor(a!)`` arguments), which also catches
-    BatchNorm's running statistics: fake kernels do not bump their version counters.
+    BatchNorm's running statistics: fake kernels do not bump their version counters. Some
+    batch-norm ops update ``running_mean`` and ``running_var`` in training without saying so
+    in their schema (``native_batch_norm``, ``cudnn_batch_norm``, ``miopen_batch_norm``, the
+    op ``F.batch_norm`` reaches on CPU): :func:`_unannotated_writes` adds those.
     """
 
     def __init__(self, old_keys: set[int]) -> None:
@@ -96,6 +99,8 @@ class _OpWatcher(TorchDispatchMode):
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 for t in _tensors(value):
                     self.written.add(_storage_key(t))
+        for t in _unannotated_writes(func, args, kwargs):
+            self.written.add(_storage_key(t))
         out = func(*args, **kwargs)
         for t in _tensors(out):
             if not self._is_old(t):
@@ -104,6 +109,42 @@ class _OpWatcher(TorchDispatchMode):
 
     def _is_old(self, tensor: torch.Tensor) -> bool:
         return _storage_key(tensor) in self.old_keys
+
+
+_RUNNING_STATS = ("running_mean", "running_var")
+
+
+@functools.cache
+def _running_stat_positions(func: Any) -> tuple[int, tuple[int, ...]] | None:
+    """``(position of training, positions of running stats)`` for an op that takes running
+    statistics and a ``training`` flag but does not mark them written in its schema."""
+    arguments = func._schema.arguments
+    names = [a.name for a in arguments]
+    if "training" not in names:
+        return None
+    stats = tuple(
+        i for i, a in enumerate(arguments)
+        if a.name in _RUNNING_STATS and not (a.alias_info is not None and a.alias_info.is_write)
+    )
+    return (names.index("training"), stats) if stats else None
+
+
+def _unannotated_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> list[torch.Tensor]:
+    """The running statistics a batch-norm op updates in training although its schema does
+    not say so."""
+    positions = _running_stat_positions(func)
+    if positions is None:
+        return []
+    arguments = func._schema.arguments
+
+    def value(i: int) -> Any:
+        return args[i] if i < len(args) else kwargs.get(arguments[i].name)
+
+    training, stats = positions
+    if value(training) is not True:
+        return []
+    return [t for i in stats for t in _tensors(value(i))]
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

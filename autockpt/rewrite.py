@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch.fx as fx
+from torch import fx
 
 from autockpt.errors import AutockptError
 from autockpt.planner import Plan, Segment
 
-__all__ = ["SegmentProgram", "Program", "rewrite", "graph_fingerprint", "RUN_METHOD"]
+__all__ = ["RUN_METHOD", "Program", "SegmentProgram", "graph_fingerprint", "rewrite"]
 
 RUN_METHOD = "_autockpt_run"
 """Name of the method of the transformed module that runs one segment under checkpoint."""
@@ -145,7 +145,15 @@ def rewrite(
             for arg in member.all_input_nodes:
                 if arg not in inside and arg.op != "get_attr" and arg not in inputs:
                     inputs.append(arg)
-        outputs = [m for m in members if any(u not in inside for u in m.users)]
+        # A get_attr member read after the segment too (a parameter the next stage uses) is
+        # fetched again in the main graph, never returned by the segment: a reentrant
+        # checkpoint would hand back the Parameter itself as an output of its autograd
+        # Function, which rewrites the Parameter's grad_fn to the checkpoint's backward.
+        for member in members:
+            if member.op == "get_attr" and any(u not in inside for u in member.users):
+                env[member] = copy_into(main, member, env)
+        outputs = [m for m in members
+                   if m.op != "get_attr" and any(u not in inside for u in m.users)]
         sub = fx.Graph()
         sub_env: dict[fx.Node, fx.Node] = {}
         for arg in inputs:

@@ -1,0 +1,133 @@
+"""Real models from timm, torchvision, transformers and diffusers, checkpointed by autockpt.
+
+For every corpus case, at half the estimated peak without checkpointing and at the least
+reachable peak, in both checkpoint modes: ``apply`` keeps the state_dict keys and the very same
+Parameter objects; one training step gives the loss, every parameter gradient and every buffer
+of an identically seeded twin that runs without autockpt (dropout included: both steps start
+from the same seed); and the measured peak activation memory of that step stays within the
+budget plus the documented slack.
+
+Run alone with ``python -m pytest -m models tests/models`` (needs ``pip install -e
+".[models]"``); a case whose package is missing is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import autockpt
+from autockpt.planner import BUDGET_SLACK
+from tests.models.corpus import CASES, CorpusCase
+
+pytestmark = pytest.mark.models
+
+MIB = 2**20
+MODES = ("non_reentrant", "reentrant")
+BUDGETS = ("half", "min")
+BUILD_SEED = 0
+STEP_SEED = 1234
+
+_probes: dict[tuple[str, str], tuple[int, int]] = {}
+
+
+def _baseline_and_least(case: CorpusCase, model: nn.Module, mode: str) -> tuple[int, int]:
+    """``(baseline_peak_bytes, min_peak_bytes)`` of the case's plan, computed once per mode."""
+    key = (case.name, mode)
+    if key not in _probes:
+        args, kwargs = case.inputs()
+        probe = autockpt.plan(model, args, example_kwargs=kwargs, mode=mode)
+        _probes[key] = (probe.baseline_peak_bytes, probe.min_peak_bytes)
+    return _probes[key]
+
+
+class _Step:
+    """What one training step leaves behind: the loss, the gradients and the buffers."""
+
+    def __init__(self, model: nn.Module, case: CorpusCase) -> None:
+        args, kwargs = case.inputs()
+        model.train()
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(STEP_SEED)
+        loss = case.loss_fn(model(*args, **kwargs))
+        loss.backward()
+        self.loss = loss.detach()
+        self.grads: dict[str, Tensor | None] = {
+            name: None if p.grad is None else p.grad.detach().clone()
+            for name, p in model.named_parameters()
+        }
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        model.zero_grad(set_to_none=True)
+
+
+def _assert_same_step(expected: _Step, actual: _Step, what: str) -> None:
+    torch.testing.assert_close(actual.loss, expected.loss, msg=lambda m: f"{what} loss: {m}")
+    assert list(actual.grads) == list(expected.grads), f"{what}: parameter names differ"
+    for name, grad in expected.grads.items():
+        got = actual.grads[name]
+        if grad is None:
+            assert got is None, f"{what}: {name} got a gradient it should not have"
+            continue
+        assert got is not None, f"{what}: {name} got no gradient"
+        torch.testing.assert_close(got, grad, msg=lambda m, name=name: f"{what} grad of {name}: {m}")
+    assert list(actual.buffers) == list(expected.buffers), f"{what}: buffer names differ"
+    for name, buf in expected.buffers.items():
+        torch.testing.assert_close(actual.buffers[name], buf,
+                                   msg=lambda m, name=name: f"{what} buffer {name}: {m}")
+
+
+def _build_twins(case: CorpusCase) -> tuple[nn.Module, nn.Module]:
+    reference, model = case.build(BUILD_SEED), case.build(BUILD_SEED)
+    state_a, state_b = reference.state_dict(), model.state_dict()
+    assert list(state_a) == list(state_b)
+    for key, value in state_a.items():
+        assert torch.equal(value, state_b[key]), f"{case.name}: two builds differ at {key}"
+    return reference, model
+
+
+def _assert_same_module_tree(model: nn.Module, transformed: nn.Module) -> None:
+    assert list(transformed.state_dict()) == list(model.state_dict())
+    named = list(model.named_parameters())
+    named_t = list(transformed.named_parameters())
+    assert [n for n, _ in named_t] == [n for n, _ in named]
+    for (name, p), (_, p_t) in zip(named, named_t):
+        assert p_t is p, f"{name} is not the same Parameter object"
+    assert [n for n, _ in transformed.named_buffers()] == [n for n, _ in model.named_buffers()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_checkpointed_training_step(case: CorpusCase, budget: str, mode: str) -> None:
+    pytest.importorskip(case.requires)
+    reference, model = _build_twins(case)
+    baseline, least = _baseline_and_least(case, model, mode)
+    budget_bytes = baseline // 2 if budget == "half" else least
+    args, kwargs = case.inputs()
+    what = f"{case.name} at {budget} ({budget_bytes} B, {mode})"
+
+    apply_kwargs: dict[str, Any] = {"example_inputs": args, "example_kwargs": kwargs,
+                                    "mode": mode}
+    try:
+        transformed = autockpt.apply(model, budget_bytes / MIB, **apply_kwargs)
+    except autockpt.InfeasibleBudgetError as err:
+        # Only legitimate when the least reachable peak really is above the budget.
+        assert budget == "half", f"{what}: the least reachable budget was refused: {err}"
+        assert err.min_feasible_bytes > budget_bytes, f"{what}: {err}"
+        assert err.min_feasible_bytes == least
+        return
+
+    plan = autockpt.plan_of(transformed)
+    assert plan.budget_bytes == budget_bytes
+    assert plan.estimated_peak_bytes <= budget_bytes
+    _assert_same_module_tree(model, transformed)
+    _assert_same_step(_Step(reference, case), _Step(transformed, case), what)
+
+    report = autockpt.measure(transformed, args, example_kwargs=kwargs, loss_fn=case.loss_fn)
+    assert report.peak_activation_bytes <= budget_bytes * (1 + BUDGET_SLACK), (
+        f"{what}: measured peak {report.peak_activation_bytes} B over the budget "
+        f"(estimate {plan.estimated_peak_bytes} B, baseline {baseline} B)"
+    )
