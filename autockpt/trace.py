@@ -171,6 +171,10 @@ class _LeafTracer(fx.Tracer):
 
     def __init__(self, leaves: Sequence[str]) -> None:
         super().__init__()
+        # A buffer read in Python code (``self.num_batches_tracked.add_(1)`` in timm's
+        # BatchNormAct2d) must become a graph node: as a plain tensor the tracer would run the
+        # in-place update on the user's buffer while tracing, and never again in training.
+        self.proxy_buffer_attributes = True
         self.leaves = frozenset(leaves)
         self.stack: list[str] = []
         self.failed_in: str | None = None
