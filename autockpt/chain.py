@@ -352,6 +352,7 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
         if carries[i]:
             receive(i, new(0))
     grads_at: list[int | None] = [None] * n
+    waiting: dict[int, list[int]] = {}  # reader -> gradient buffers that wait for it
     entry = [0] * len(stage_ends)
     last_of = {end - 1: t for t, end in enumerate(stage_ends)}
     for u in range(n - 2, -1, -1):
@@ -362,6 +363,8 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
         if not carries[u] or out is None:
             if out is not None:
                 drop(out)
+            for buffer in waiting.pop(u, ()):
+                drop(buffer)
             continue
         probed = len(node.input_grad_bytes) == len(node.inputs)
         targets = [(k, v) for k, v in enumerate(reads[u]) if carries[v]]
@@ -369,7 +372,6 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
             work = node.backward_bytes
         else:  # not probed: a new gradient for every input
             work = sum(nodes[v].grad_bytes for _, v in targets)
-        work += node.param_grad_temp_bytes
         peak = alive + work
         for k, v in targets:
             handed = node.input_grad_bytes[k] if probed else nodes[v].grad_bytes
@@ -379,7 +381,13 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
                 buffer = out
                 refs[out] += 1
             peak = max(peak, alive + receive(v, buffer))
+        # Gradients of a shared parameter wait for its first reader's (tied embeddings).
+        for nbytes, until in node.param_grad_held:
+            waiting.setdefault(until, []).append(new(nbytes))
+            peak = max(peak, alive + work)
         drop(out)
+        for buffer in waiting.pop(u, ()):
+            drop(buffer)
         grads_at[u] = peak
     return grads_at, entry
 

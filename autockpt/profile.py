@@ -414,16 +414,17 @@ class _ProfileRunner(torch.nn.Module):
                          failure)
 
     def result(self, description: str) -> Profile:
-        # A parameter read by several nodes gets one gradient per reader; all but the one
-        # whose backward runs first (the last reader in forward) are temporaries.
-        last_reader: dict[int, int] = {}
+        # A parameter read by several nodes gets one gradient per reader, summed before it
+        # becomes .grad: those of the later readers wait for the first reader's backward.
+        first_reader: dict[int, int] = {}
         for index, reads in enumerate(self._param_reads):
             for key in reads:
-                last_reader[key] = index
+                first_reader.setdefault(key, index)
         for index, reads in enumerate(self._param_reads):
-            temp = sum(size for key, size in reads.items() if last_reader[key] != index)
-            if temp:
-                self._stats[index] = replace(self._stats[index], param_grad_temp_bytes=temp)
+            held = tuple((size, first_reader[key]) for key, size in reads.items()
+                         if first_reader[key] != index)
+            if held:
+                self._stats[index] = replace(self._stats[index], param_grad_held=held)
         storages = tuple(
             StorageStat(
                 size_bytes=s["size_bytes"],

@@ -61,10 +61,12 @@ class NodeStat:
     (empty when the backward was not probed)."""
     grad_bytes: int = 0
     """Bytes of the gradient of its output (its tensors that require grad)."""
-    param_grad_temp_bytes: int = 0
-    """Bytes of parameter gradients its backward makes as temporaries: for a parameter that a
-    later node reads too (tied embeddings), that node's backward runs first and its gradient
-    becomes ``.grad``; this node's is made apart and then added in."""
+    param_grad_held: tuple[tuple[int, int], ...] = ()
+    """Gradients of shared parameters its backward makes that wait for another reader's:
+    ``(bytes, position)`` pairs. Autograd sums every contribution to a parameter read by
+    several nodes (tied embeddings) before it becomes ``.grad``, so the gradient made by a
+    later reader, whose backward runs first, stays alive until the backward of the first
+    reader (at ``position``) has run."""
     time_ns: int | None = None
     """Median measured forward time of the node in nanoseconds, when it was timed on the real
     device (``cost="profile"``, :func:`autockpt.timing.time_nodes`); ``None`` otherwise."""
