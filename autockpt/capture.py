@@ -40,7 +40,8 @@ import torch.fx as fx
 from torch import nn
 
 from autockpt.errors import AutockptError, TraceError
-from autockpt.trace import TraceSpec, TracedModel, base_class, bind_inputs, shallow_view, trace
+from autockpt.trace import (TraceSpec, TracedModel, base_class, bind_inputs, has_attr_path,
+                            shallow_view, trace)
 
 __all__ = ["CAPTURES", "RUNGS", "NoGraph", "capture", "export_trace", "trace_with_leaves"]
 
@@ -193,7 +194,7 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     constants = {
         str(node.target): _fetch(graph_module, str(node.target))
         for node in graph.nodes
-        if node.op == "get_attr" and not _has_path(module, str(node.target))
+        if node.op == "get_attr" and not has_attr_path(module, str(node.target))
     }
     return TracedModel(
         graph_module=graph_module,
@@ -223,15 +224,6 @@ def _fetch(root: Any, target: str) -> Any:
     for atom in target.split("."):
         obj = getattr(obj, atom)
     return obj
-
-
-def _has_path(module: nn.Module, target: str) -> bool:
-    obj: Any = module
-    for atom in target.split("."):
-        if not hasattr(obj, atom):
-            return False
-        obj = getattr(obj, atom)
-    return True
 
 
 # --------------------------------------------------------------------------- rung 3: leaves

@@ -253,7 +253,7 @@ def trace(
             mod.training = was_training
     tensor_constants = {}
     for node in graph.nodes:
-        if node.op == "get_attr" and not _has_attr_path(module, node.target):
+        if node.op == "get_attr" and not has_attr_path(module, node.target):
             tensor_constants[node.target] = getattr(view, node.target)
     return TracedModel(
         graph_module=graph_module,
@@ -263,7 +263,8 @@ def trace(
     )
 
 
-def _has_attr_path(module: nn.Module, target: str) -> bool:
+def has_attr_path(module: nn.Module, target: str) -> bool:
+    """Whether ``module`` has an attribute at the dotted path ``target``."""
     obj: Any = module
     for atom in target.split("."):
         if not hasattr(obj, atom):
