@@ -7,6 +7,9 @@ every gradient, every buffer); the measured peak must be within the budget.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -202,3 +205,44 @@ def test_unknown_capture_lists_the_valid_ones() -> None:
         autockpt.apply(nn.Linear(2, 2), capture="jit")
     for name in ("'auto'", "'fx'", "'export'", "'fx-leaves'", "'modules'"):
         assert name in str(info.value)
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    hidden: tuple[torch.Tensor, ...]
+    layers: int
+
+
+class DataclassOut(nn.Module):
+    """Returns a dataclass holding tensors, a tuple of tensors and an int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, flag: bool = True, extra: object = None) -> _Out:
+        hidden = []
+        for layer in self.layers:
+            x = x + torch.relu(layer(x))
+            hidden.append(x)
+        return _Out(self.head(x), tuple(hidden[-2:]), len(hidden))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dataclass_outputs_and_non_tensor_arguments(mode: str) -> None:
+    torch.manual_seed(0)
+    model = DataclassOut()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    kwargs = {"flag": True, "extra": None}
+    transformed = autockpt.apply(model, None, example_inputs=(x,), example_kwargs=kwargs,
+                                 mode=mode)
+    assert autockpt.plan_of(transformed).segments
+    outs = [m(x, **kwargs) for m in (transformed, reference)]
+    for out in outs:
+        (out.logits.pow(2).mean() + out.hidden[0].mean()).backward()
+    assert isinstance(outs[0], _Out) and outs[0].layers == 6
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
