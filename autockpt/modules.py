@@ -71,7 +71,6 @@ import contextlib
 import functools
 import hashlib
 import itertools
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -89,7 +88,7 @@ from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs
 from autockpt.stats import NodeStat, Profile, StorageStat
-from autockpt.trace import base_class, shallow_view
+from autockpt.trace import base_class, generated_subclass, shallow_view
 
 __all__ = [
     "ModuleCall",
@@ -985,19 +984,8 @@ class _BlockMixin:
         return (_rebuild_block, (self._autockpt_base,), self.__dict__.copy())
 
 
-_BLOCK_CLASSES: dict[type, type] = {}
-_BLOCK_LOCK = threading.Lock()
-
-
 def _block_class(base: type[nn.Module]) -> type[nn.Module]:
-    with _BLOCK_LOCK:
-        cls = _BLOCK_CLASSES.get(base)
-        if cls is None:
-            cls = type(base.__name__, (_BlockMixin, base), {
-                "_autockpt_base": base, "__module__": base.__module__,
-                "__qualname__": base.__qualname__, "__doc__": base.__doc__})
-            _BLOCK_CLASSES[base] = cls
-        return cls
+    return generated_subclass(_BlockMixin, base)
 
 
 def _rebuild_block(base: type[nn.Module]) -> nn.Module:

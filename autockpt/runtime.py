@@ -38,7 +38,7 @@ from autockpt.planner import Plan, make_plan
 from autockpt.profile import profile
 from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
 from autockpt.timing import time_nodes
-from autockpt.trace import TracedModel, base_class, bind_inputs
+from autockpt.trace import TracedModel, base_class, bind_inputs, generated_subclass
 
 __all__ = [
     "ApplyConfig",
@@ -200,7 +200,6 @@ class RuntimeState:
         while len(self.variants) > MAX_VARIANTS:
             _, old = self.variants.popitem(last=False)
             self.by_id = {i: v for i, v in self.by_id.items() if v is not old}
-        return variant
 
 
 def plan_blocks(
@@ -466,27 +465,9 @@ class _CheckpointedMixin:
         return (_rebuild, (self._autockpt_base,), self.__dict__.copy())
 
 
-_CLASSES: dict[type, type] = {}
-_CLASSES_LOCK = threading.Lock()
-
-
 def checkpointed_class(base: type[nn.Module]) -> type[nn.Module]:
     """The subclass of ``base`` that transformed modules have (made once per class)."""
-    with _CLASSES_LOCK:
-        cls = _CLASSES.get(base)
-        if cls is None:
-            cls = type(
-                base.__name__,
-                (_CheckpointedMixin, base),
-                {
-                    "_autockpt_base": base,
-                    "__module__": base.__module__,
-                    "__qualname__": base.__qualname__,
-                    "__doc__": base.__doc__,
-                },
-            )
-            _CLASSES[base] = cls
-        return cls
+    return generated_subclass(_CheckpointedMixin, base)
 
 
 def _rebuild(base: type[nn.Module]) -> nn.Module:

@@ -16,6 +16,7 @@ runs the model's own forward.
 from __future__ import annotations
 
 import inspect
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from torch import nn
 
 from autockpt.errors import InvalidArgumentError, TraceError
 
-__all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "base_class", "shallow_view"]
+__all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "base_class", "shallow_view",
+           "generated_subclass"]
 
 #: Python values that are baked into the graph (a new value means a new plan).
 _CONSTANT_TYPES = (type(None), bool, int, float, str)
@@ -75,15 +77,31 @@ class TracedModel:
             return self.flatten(arguments)
         return tuple(arguments[name] for name in self.spec.param_names)
 
-    def graph_output(self, value: Any) -> Any:
-        """The forward's output from the graph's."""
-        return value if self.unflatten is None else self.unflatten(value)
-
 
 def base_class(module: nn.Module) -> type[nn.Module]:
     """The user's class of ``module``, looking through autockpt's generated subclass."""
     cls = type(module)
     return getattr(cls, "_autockpt_base", cls)
+
+
+_GENERATED: dict[tuple[type, type], type] = {}
+_GENERATED_LOCK = threading.Lock()
+
+
+def generated_subclass(mixin: type, base: type[nn.Module]) -> type[nn.Module]:
+    """The subclass ``(mixin, base)`` autockpt gives a module it wraps, made once per pair.
+
+    It carries ``base``'s name, module and docstring, so it reads as the user's class, and
+    ``_autockpt_base`` so that :func:`base_class` sees through it.
+    """
+    with _GENERATED_LOCK:
+        cls = _GENERATED.get((mixin, base))
+        if cls is None:
+            cls = type(base.__name__, (mixin, base), {
+                "_autockpt_base": base, "__module__": base.__module__,
+                "__qualname__": base.__qualname__, "__doc__": base.__doc__})
+            _GENERATED[(mixin, base)] = cls
+        return cls
 
 
 def shallow_view(module: nn.Module, cls: type[nn.Module] | None = None) -> nn.Module:
@@ -176,7 +194,6 @@ class _LeafTracer(fx.Tracer):
         # in-place update on the user's buffer while tracing, and never again in training.
         self.proxy_buffer_attributes = True
         self.leaves = frozenset(leaves)
-        self.stack: list[str] = []
         self.failed_in: str | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -184,16 +201,12 @@ class _LeafTracer(fx.Tracer):
             m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
-        name = self.path_of_module(m)
-        self.stack.append(name)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
-            if self.failed_in is None:
-                self.failed_in = name
+            if self.failed_in is None:  # the innermost module sees the error first
+                self.failed_in = self.path_of_module(m)
             raise
-        finally:
-            self.stack.pop()
 
 
 def trace(
