@@ -93,6 +93,7 @@ def capture(
             for an untraceable model: it ends at ``"modules"``).
     """
     reasons: list[str] = []
+    fx_failure: TraceError | None = None
     rungs = RUNGS if method == "auto" else (method,)
     for rung in rungs:
         if rung == "modules":
@@ -102,11 +103,18 @@ def capture(
                 traced = trace(module, args, kwargs)
             elif rung == "export":
                 traced = export_trace(module, args, kwargs)
-            else:
+            elif fx_failure is None:
                 traced = trace_with_leaves(module, args, kwargs)
+            else:
+                # Go on from where the first torch.fx attempt failed instead of tracing again.
+                _give_up_if_hopeless(fx_failure, ())
+                traced = trace_with_leaves(module, args, kwargs,
+                                           leaves=[str(fx_failure.module_path)])
         except TraceError as err:
             if method != "auto":
                 raise
+            if rung == "fx":
+                fx_failure = err
             reasons.append(f"{rung}: {_first_line(err.message)}")
             continue
         traced.capture_reason = "; ".join(reasons)
@@ -254,16 +262,23 @@ def trace_with_leaves(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         try:
             return trace(module, args, kwargs, leaves=kept)
         except TraceError as err:
-            path = err.module_path
-            if not path or path in kept or len(kept) >= MAX_LEAVES:
-                where = "in the model's own forward" if not path else f"in {path!r}"
-                raise TraceError(
-                    f"torch.fx fails {where} even with {len(kept)} submodules kept whole "
-                    f"({', '.join(kept) or 'none'}): {_first_line(err.message)}",
-                    fix="autockpt.apply(..., capture='modules') checkpoints whole submodules "
-                    "without a graph",
-                    model_name=err.model_name,
-                    location=err.location,
-                    module_path=path,
-                ) from err
-            kept.append(path)
+            _give_up_if_hopeless(err, kept)
+            kept.append(str(err.module_path))
+
+
+def _give_up_if_hopeless(err: TraceError, kept: Sequence[str]) -> None:
+    """Raise when keeping one more submodule whole cannot help: torch.fx failed outside any
+    submodule, in one already kept whole, or in too many."""
+    path = err.module_path
+    if path and path not in kept and len(kept) < MAX_LEAVES:
+        return
+    where = "in the model's own forward" if not path else f"in {path!r}"
+    raise TraceError(
+        f"torch.fx fails {where} even with {len(kept)} submodules kept whole "
+        f"({', '.join(kept) or 'none'}): {_first_line(err.message)}",
+        fix="autockpt.apply(..., capture='modules') checkpoints whole submodules without a "
+        "graph",
+        model_name=err.model_name,
+        location=err.location,
+        module_path=path,
+    ) from err

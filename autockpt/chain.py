@@ -446,8 +446,6 @@ class _Model:
         self.long_held = prefix(c.long_held)
         self.long_saved = prefix(c.long_saved)
         self.outputs = prefix(c.output_bytes)
-        self.unsaved_escape = prefix([c.long_held[t] + c.output_bytes[t] - c.long_saved[t]
-                                      for t in range(self.count)])
         self.base = sum(c.output_bytes)
         # NOTE [ Gradients in backward ]: inside a checkpointed segment that starts at ``a``,
         # stage ``t`` runs its backward with the segment's recomputed storages of stages
