@@ -45,27 +45,21 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 import autockpt  # noqa: E402
 from autockpt.report import format_table  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import Row as CompareRow  # noqa: E402
+
 MIB = 2**20
 BATCH, SEQ, VOCAB = 4, 128, 2048
 LOSS_SEED = 1234
 
 
 @dataclass
-class Row:
-    """One method on one model."""
+class Row(CompareRow):
+    """One method on one model: compare.py's row, plus what autockpt planned."""
 
-    model: str
-    method: str
-    peak_activation_mib: float | None
-    step_ms: float
-    time_ratio: float
-    backward_flops_ratio: float | None
-    plan_seconds: float | None = None
     capture: str | None = None
     segments: int | None = None
     estimated_peak_mib: float | None = None
-    matched_to: str | None = None
-    note: str = ""
 
 
 def build_gpt2() -> nn.Module:
