@@ -29,13 +29,48 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils import flop_counter as flop_formulas
 from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import InvalidArgumentError
 from autockpt.stats import NodeStat, Profile, StorageStat
 from autockpt.trace import TracedModel
 
-__all__ = ["profile", "describe_inputs"]
+__all__ = ["profile", "describe_inputs", "flop_counter"]
+
+
+def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return flop_formulas.sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any,
+                                  *args: Any, **kwargs: Any) -> int:
+    return flop_formulas.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def flop_counter() -> FlopCounterMode:
+    """A :class:`~torch.utils.flop_counter.FlopCounterMode` that also counts the CPU kernel
+    of ``scaled_dot_product_attention``, which torch's own table leaves at zero (its CUDA
+    kernels are counted). Without it attention would look free to recompute on CPU.
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> with flop_counter() as counter:
+        ...     _ = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        >>> counter.get_total_flops()
+        2048
+    """
+    aten = torch.ops.aten
+    mapping: dict[Any, Any] = {}
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_attention_flops),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_attention_backward_flops),
+    ):
+        op = getattr(aten, name, None)
+        if op is not None and op not in flop_formulas.flop_registry:
+            mapping[op] = formula
+    return FlopCounterMode(display=False, custom_mapping=mapping)
 
 
 class _OpWatcher(TorchDispatchMode):
@@ -287,11 +322,11 @@ class _ProfileRunner(torch.nn.Module):
                 )
             return storage_index[key]
 
-        flop_counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         watcher = _OpWatcher(old_keys=set(self._param_keys) | set(self._input_keys))
-        with flop_counter, watcher, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with counter, watcher, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             for index, node in enumerate(nodes):
-                flops_before = flop_counter.get_total_flops()
+                flops_before = counter.get_total_flops()
                 watcher.reset()
                 saved_now.clear()
                 input_nodes = node.all_input_nodes
@@ -319,7 +354,7 @@ class _ProfileRunner(torch.nn.Module):
                     }
                 )
                 work_bytes = watcher.peak_bytes
-                flops = int(flop_counter.get_total_flops() - flops_before)
+                flops = int(counter.get_total_flops() - flops_before)
                 watcher.old_keys.update(_storage_key(t) for t in _tensors(value))
                 watcher.old_keys.update(_storage_key(t) for t in saved_now)
                 random = watcher.random  # before the probe resets the watcher
@@ -327,7 +362,7 @@ class _ProfileRunner(torch.nn.Module):
                 if probe_key is not None and probe_key in self._probes:
                     backward = self._probes[probe_key]
                 else:
-                    with _modules_untracked(flop_counter):
+                    with _modules_untracked(counter):
                         backward = _probe_backward(interpreter, node, ordered_inputs,
                                                    storage_index, watcher, saved_now)
                         with_params = _probe_backward(interpreter, node, ordered_inputs,
@@ -526,10 +561,10 @@ def _grad_size(value: Any) -> int:
 
 
 @contextlib.contextmanager
-def _modules_untracked(flop_counter: FlopCounterMode) -> Iterator[None]:
+def _modules_untracked(counter: FlopCounterMode) -> Iterator[None]:
     """Lift the flop counter's module hooks for a while: they put backward hooks on module
     inputs that ``torch.autograd.grad`` refuses (and nothing is counted meanwhile anyway)."""
-    tracker = getattr(flop_counter, "mod_tracker", None)
+    tracker = getattr(counter, "mod_tracker", None)
     if tracker is None:
         yield
         return

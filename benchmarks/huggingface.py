@@ -40,9 +40,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
 
 import autockpt  # noqa: E402
+from autockpt.profile import flop_counter  # noqa: E402
 from autockpt.report import format_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,7 +100,7 @@ def _backward_flops_and_loss(model: nn.Module, kwargs: dict[str, Any]) -> tuple[
     model.train()
     torch.manual_seed(LOSS_SEED)
     loss = model(**kwargs).loss
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         loss.backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops(), loss.item()
