@@ -82,11 +82,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
-from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.planner import MODES, Plan, make_plan
-from autockpt.profile import describe_inputs
+from autockpt.profile import describe_inputs, flop_counter
 from autockpt.stats import NodeStat, Profile, StorageStat
 from autockpt.trace import base_class, generated_subclass, shallow_view
 
@@ -286,7 +285,7 @@ class _Session:
                  ) -> None:
         self.root = module
         self.recorder = _Recorder(old_keys)
-        self.flops = FlopCounterMode(display=False)
+        self.flops = flop_counter()
         self.saved: list[tuple[int, int, bool]] = []  # (op, serial, requires_grad)
         self.buffer_names = buffer_names
         self.calls: dict[int, _Call] = {}
@@ -806,7 +805,8 @@ def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str
             extra = 2 * handed[index] + prof.call(prof.blocks[k]).input_bytes
             nodes[index] = replace(nodes[index], work_bytes=nodes[index].work_bytes + extra)
         stats = replace(stats, nodes=tuple(nodes))
-    plan = make_plan(stats, budget_bytes, strategy=strategy, mode=mode, model=prof.model)
+    plan = make_plan(stats, budget_bytes, strategy=strategy, mode=mode, model=prof.model,
+                     nesting=False)
     nodes = prof.profile.nodes
     position = {node: k for k, node in enumerate(prof.block_nodes)}
     segments = []

@@ -11,10 +11,13 @@ and returns a :class:`Plan`. It works in three steps:
    their gradients) or between a tensor and an in-place op on it.
 2. **Stages.** The candidate cuts split the graph into a chain of stages.
 3. **Segments.** A strategy picks ranges of consecutive stages to checkpoint, and
-   :func:`estimate_peak` predicts the peak activation memory of any choice.
+   :func:`estimate_peak` predicts the peak activation memory of any choice. Below the least
+   memory one level of segments reaches, ``"optimal"`` checkpoints ranges again inside
+   segments (:mod:`autockpt.nested`).
 
-The memory model and the optimal dynamic programme live in :mod:`autockpt.chain`; this module
-holds the strategies, the :class:`Plan` and the description of its rows.
+The memory model and the optimal dynamic programme live in :mod:`autockpt.chain`, nested
+plans in :mod:`autockpt.nested`; this module holds the strategies, the :class:`Plan` and the
+description of its rows.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 
 from autockpt.chain import Chain, Ranges, build_chain, estimate_peak, optimal_ranges, recompute_cost
 from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
+from autockpt.nested import Tree, as_tree, estimate_tree_peak, flatten_tree, nested_plans, tree_depth
 from autockpt.stats import NodeStat, Profile
 
 __all__ = ["Segment", "Plan", "make_plan", "STRATEGIES", "MODES", "BUDGET_SLACK"]
@@ -73,6 +77,10 @@ class Segment:
     that BatchNorm statistics are updated once."""
     reason: str = ""
     """Why it is not checkpointed (empty for checkpointed segments)."""
+    depth: int = 0
+    """0 for a segment of the forward itself; 1 for one checkpointed again inside the
+    recompute of the segment that contains it (its nodes then run forward three times), and
+    so on."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,8 @@ class Plan:
     node_count: int
     """Number of nodes of the traced graph (a plan only fits the graph it was made for)."""
     segments: tuple[Segment, ...]
-    """The checkpointed segments, in graph order."""
+    """The checkpointed segments, in graph order, each outer segment before the segments
+    nested in it (see :attr:`Segment.depth`)."""
     skipped: tuple[Segment, ...] = ()
     """Stretches of the graph left un-checkpointed on purpose, each with its reason."""
     graph_fingerprint: str = ""
@@ -220,47 +229,61 @@ def _refine(chain: Chain, ranges: Ranges, budget: int, mode: str) -> Ranges:
         cost, ranges = best
 
 
-Strategy = Callable[[Chain, "int | None", str], "tuple[Ranges | None, int]"]
-"""``strategy(chain, budget_bytes, mode) -> (ranges or None if the budget cannot be met, least
-peak the strategy reaches)``; ``budget_bytes=None`` asks for the least peak."""
+Strategy = Callable[[Chain, "int | None", str, bool], "tuple[Tree | None, int]"]
+"""``strategy(chain, budget_bytes, mode, nesting) -> (tree or None if the budget cannot be
+met, least peak the strategy reaches)``; ``budget_bytes=None`` asks for the least peak;
+``nesting`` says whether segments may be checkpointed again inside segments."""
 
 
-def _greedy(chain: Chain, budget: int | None, mode: str) -> tuple[Ranges | None, int]:
+def _greedy(chain: Chain, budget: int | None, mode: str, nesting: bool
+            ) -> tuple[Tree | None, int]:
     """Plans shaped like ``checkpoint_sequential`` for many segment counts, then a descent
     that trims or drops segments while the budget still holds."""
     scored = [(estimate_peak(chain, r, mode), recompute_cost(chain, r), r)
               for r in _candidates(chain)]
     min_peak = min(peak for peak, _, _ in scored)
     if budget is None:
-        return min(scored, key=lambda item: (item[0], item[1]))[2], min_peak
+        return as_tree(min(scored, key=lambda item: (item[0], item[1]))[2]), min_peak
     feasible = [item for item in scored if item[0] <= budget]
     if not feasible:
         return None, min_peak
     ranges = min(feasible, key=lambda item: (item[1], item[0]))[2]
-    return _refine(chain, ranges, budget, mode), min_peak
+    return as_tree(_refine(chain, ranges, budget, mode)), min_peak
 
 
-def _sqrt(chain: Chain, budget: int | None, mode: str) -> tuple[Ranges | None, int]:
+def _sqrt(chain: Chain, budget: int | None, mode: str, nesting: bool
+          ) -> tuple[Tree | None, int]:
     """Chen et al.'s rule: about sqrt(n) equal segments, the last one left alone."""
     grad_stages = sum(b - a + 1 for a, b in _grad_runs(chain))
     groups = _split_balanced(chain, max(1, round(math.sqrt(grad_stages))))
     ranges = tuple(groups[:-1]) if len(groups) > 1 else tuple(groups)
     peak = estimate_peak(chain, ranges, mode)
-    return (ranges if budget is None or peak <= budget else None), peak
+    return (as_tree(ranges) if budget is None or peak <= budget else None), peak
 
 
-def _optimal(chain: Chain, budget: int | None, mode: str) -> tuple[Ranges | None, int]:
+def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
+             ) -> tuple[Tree | None, int]:
     """The least recompute under the budget, exactly, for the memory model of
-    :mod:`autockpt.chain` (a dynamic programme over the chain)."""
+    :mod:`autockpt.chain` (a dynamic programme over the chain); below the least peak of
+    single-level plans, nested plans from the rotor programme (NOTE [ Where nesting pays ])."""
     least = optimal_ranges(chain, None, mode)
     assert least is not None  # checkpointing nothing is always a choice
     least_ranges, min_peak = least
+    if budget is not None and budget >= min_peak:
+        found = optimal_ranges(chain, budget, mode)
+        return (as_tree(found[0]) if found is not None else None), min_peak
+    if not nesting or mode != "non_reentrant":
+        return (as_tree(least_ranges) if budget is None else None), min_peak
+    found_nested = [item for item in nested_plans(chain, min_peak) if tree_depth(item[2]) > 1]
+    reach = min([min_peak, *(peak for peak, _, _ in found_nested)])
     if budget is None:
-        return least_ranges, min_peak
-    if budget < min_peak:
-        return None, min_peak
-    found = optimal_ranges(chain, budget, mode)
-    return (found[0] if found is not None else None), min_peak
+        if reach == min_peak:
+            return as_tree(least_ranges), min_peak
+        return min(found_nested, key=lambda item: (item[0], item[1]))[2], reach
+    fits = [item for item in found_nested if item[0] <= budget]
+    if not fits:
+        return None, reach
+    return min(fits, key=lambda item: (item[1], item[0]))[2], reach
 
 
 STRATEGIES: dict[str, Strategy] = {"optimal": _optimal, "greedy": _greedy, "sqrt": _sqrt}
@@ -277,8 +300,12 @@ def make_plan(
     strategy: str = "optimal",
     mode: str = "non_reentrant",
     model: str = "",
+    nesting: bool = True,
 ) -> Plan:
     """Plan checkpoint segments for ``profile`` under ``budget_bytes``.
+
+    ``nesting=False`` keeps to one level of segments (the module-level rung, which installs
+    checkpoints on whole submodules, cannot nest them).
 
     Example:
         >>> from autockpt.stats import NodeStat, Profile, StorageStat
@@ -302,10 +329,10 @@ def make_plan(
         raise InvalidArgumentError("the profile has no nodes to plan")
     chain = build_chain(profile)
     baseline = estimate_peak(chain, (), mode)
-    ranges, min_peak = STRATEGIES[strategy](chain, budget_bytes, mode)
+    tree, min_peak = STRATEGIES[strategy](chain, budget_bytes, mode, nesting)
     if budget_bytes is not None and baseline <= budget_bytes and strategy != "sqrt":
-        ranges = ()  # nothing to recompute when the budget is met as it is
-    if ranges is None:
+        tree = ()  # nothing to recompute when the budget is met as it is
+    if tree is None:
         assert budget_bytes is not None
         raise InfeasibleBudgetError(
             f"{model or 'the model'} needs at least {_mib(min_peak)} of activation memory at "
@@ -313,10 +340,16 @@ def make_plan(
             budget_bytes=budget_bytes,
             min_feasible_bytes=min_peak,
         )
-    estimated = estimate_peak(chain, ranges, mode)
-    segments, skipped = _describe(profile, chain, ranges, mode, budget_bytes)
+    if tree_depth(tree) > 1:
+        estimated = estimate_tree_peak(chain, tree)
+    else:
+        estimated = estimate_peak(chain, tuple((a, b) for a, b, _ in tree), mode)
+    segments, skipped = _describe(profile, chain, tree, mode, budget_bytes)
     notes = []
-    if not ranges:
+    if tree_depth(tree) > 1:
+        notes.append("segments numbered like 2.1 are checkpointed again inside the recompute "
+                     "of the segment they belong to: their nodes run forward three times")
+    if not tree:
         if budget_bytes is not None and baseline <= budget_bytes:
             notes.append("the budget is met without checkpointing: nothing is recomputed")
         else:
@@ -344,13 +377,15 @@ def _mib(num_bytes: int) -> str:
 
 
 def _describe(
-    profile: Profile, chain: Chain, ranges: Ranges, mode: str, budget_bytes: int | None
+    profile: Profile, chain: Chain, tree: Tree, mode: str, budget_bytes: int | None
 ) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
-    """Turn stage ranges into Segment rows, and the stretches between them into skipped rows."""
+    """Turn a tree of stage ranges into Segment rows, and the stretches between the outermost
+    ones into skipped rows."""
     nodes = profile.nodes
     stages = chain.stages
+    ranges = tuple((a, b) for a, b, _ in tree)
     segments = []
-    for a, b in ranges:
+    for a, b, depth in flatten_tree(tree):
         start, end = stages[a].start, stages[b].end
         members = nodes[start:end]
         inside = set(range(start, end))
@@ -377,6 +412,7 @@ def _describe(
                 and not input_grad
                 and any(m.trainable for m in members),
                 reason="",
+                depth=depth,
             )
         )
     skipped = []

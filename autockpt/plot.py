@@ -177,9 +177,11 @@ def memory_curves(
 
     baseline, baseline_marks = _tracked_step(model, args, kwargs, loss_fn, None)
     ckpt = apply(model, plan=plan, example_inputs=args, example_kwargs=kwargs)
-    numbers = {seg.start: i + 1 for i, seg in enumerate(plan.segments)}
+    # Only the outermost segments are marked: nested ones run inside their recompute.
+    outer = [seg for seg in plan.segments if seg.depth == 0]
+    numbers = {seg.start: i + 1 for i, seg in enumerate(outer)}
     checkpointed, marks = _tracked_step(ckpt, args, kwargs, loss_fn, numbers)
-    labels = {i + 1: span_label(seg) for i, seg in enumerate(plan.segments)}
+    labels = {i + 1: span_label(seg) for i, seg in enumerate(outer)}
     return MemoryCurves(
         plan=plan,
         baseline_bytes=baseline,
@@ -240,6 +242,8 @@ def _instrument(module: nn.Module, step: _MarkedStep, numbers: dict[int, int]) -
 
     def run(variant_id: int, index: int, *inputs: Any) -> Any:
         program = state.by_id[variant_id].program.segments[index]
+        if program.segment.depth > 0:
+            return run_segment(module, program, state.config.mode, inputs)
         number = numbers.get(program.segment.start, index + 1)
         calls = 0
 
@@ -408,7 +412,7 @@ def draw_memory(curves: MemoryCurves, path: str | Path | None = None, *,
     ax.set_xlabel("op index in one training step (forward, loss, then backward)")
     ax.set_ylabel(f"live activation memory ({unit})")
     ax.grid(axis="y", alpha=0.3)
-    count = len(plan.segments)
+    count = sum(1 for seg in plan.segments if seg.depth == 0)
     ax.set_title(title or (
         f"Activation memory of {plan.model or 'model'}({plan.input_signature}), "
         f"{plan.mode}: {count} checkpointed segment{'s' * (count != 1)}, "

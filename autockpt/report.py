@@ -75,6 +75,8 @@ def plan_summary(plan: Plan) -> list[str]:
         plan.budget_bytes
     )
     ratio = f"{100 * plan.recompute_ratio:.1f}% of forward FLOPs"
+    inner = sum(1 for seg in plan.segments if seg.depth > 0)
+    nested = f" ({inner} of them inside others)" if inner else ""
     header = [
         f"autockpt plan for {plan.model or 'model'}({plan.input_signature})",
         f"  mode {plan.mode}, strategy {plan.strategy}, {plan.node_count} graph nodes",
@@ -83,7 +85,8 @@ def plan_summary(plan: Plan) -> list[str]:
         f" (least reachable {format_bytes(plan.min_peak_bytes)})",
         f"  budget          {budget}",
         f"  recompute       {format_flops(plan.recompute_flops)} ({ratio})",
-        f"  segments        {len(plan.segments)} checkpointed, {len(plan.skipped)} left alone",
+        f"  segments        {len(plan.segments)} checkpointed{nested}, "
+        f"{len(plan.skipped)} left alone",
     ]
     if plan.cost_model != "flops":
         # Only worth a line when it differs from the default: timed plans are not reproducible.
@@ -108,17 +111,22 @@ def plan_rows(plan: Plan) -> list[tuple[Segment, list[str]]]:
     """
     stretches = sorted([*plan.segments, *plan.skipped], key=lambda s: s.start)
     rows = []
-    number = 0
+    number: list[int] = []  # "2.1": the first segment nested in the second
     for seg in stretches:
         if seg.checkpointed:
-            number += 1
+            del number[seg.depth + 1:]
+            if len(number) > seg.depth:
+                number[seg.depth] += 1
+            else:
+                number.append(1)
             notes = []
             if seg.preserve_rng:
                 notes.append("rng replayed")
             if seg.buffers:
                 notes.append(f"{len(seg.buffers)} buffers updated once")
             rows.append((seg, [
-                str(number), span_label(seg), str(seg.node_count),
+                ".".join(map(str, number)), "  " * seg.depth + span_label(seg),
+                str(seg.node_count),
                 format_bytes(seg.boundary_bytes), format_bytes(seg.freed_bytes),
                 format_flops(seg.recompute_flops), "yes" if seg.dummy_arg else "no",
                 ", ".join(notes),

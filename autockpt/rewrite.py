@@ -3,7 +3,8 @@
 Each checkpointed range of nodes is cut out of the graph into a graph of its own, compiled to a
 function ``segment(self, *inputs) -> tuple``; in the main graph the range is replaced by one
 call, ``self._autockpt_run(variant, index, *inputs)``, followed by ``getitem`` nodes for the
-segment's outputs.
+segment's outputs. A segment nested in another (``Segment.depth > 0``) is cut out of its
+parent's graph the same way, so the parent's function calls it under checkpoint in turn.
 
 # NOTE [ Segments reach modules through self ]
 Neither the main forward nor a segment holds a module object. Both are compiled from fx code
@@ -114,9 +115,23 @@ def rewrite(
     constant_names = constant_names or {}
     main = fx.Graph()
     main._codegen = copy.deepcopy(graph._codegen)
-    env: dict[fx.Node, fx.Node] = {}
-    starts = {seg.start: (i, seg) for i, seg in enumerate(plan.segments)}
-    programs: list[SegmentProgram] = []
+    programs: list[SegmentProgram | None] = [None] * len(plan.segments)
+    # Segments nested in each segment (by index), and the outermost ones (key None).
+    children: dict[int | None, list[int]] = {None: []}
+    open_: list[int] = []
+    for index, seg in enumerate(plan.segments):
+        while open_ and plan.segments[open_[-1]].end <= seg.start:
+            open_.pop()
+        parent = open_[-1] if open_ else None
+        if (parent is None) != (seg.depth == 0) or (
+                parent is not None and plan.segments[parent].depth != seg.depth - 1):
+            raise AutockptError(
+                f"internal error: segment {index} of the plan is not nested as its depth says",
+                fix="please report this with the model; pass strategy='sqrt' meanwhile",
+            )
+        children.setdefault(parent, []).append(index)
+        children[index] = []
+        open_.append(index)
 
     def copy_into(target: fx.Graph, node: fx.Node, lookup: dict[fx.Node, fx.Node]) -> fx.Node:
         new = target.node_copy(node, lambda n: lookup[n])
@@ -124,64 +139,77 @@ def rewrite(
             new.target = constant_names[str(node.target)]
         return new
 
-    position = 0
-    while position < len(nodes):
-        if position not in starts:
-            node = nodes[position]
-            env[node] = copy_into(main, node, env)
-            position += 1
-            continue
-        index, seg = starts[position]
-        members = nodes[seg.start : seg.end]
-        if any(m.op in ("placeholder", "output") for m in members):
-            raise AutockptError(
-                f"internal error: segment {index} of the plan covers the graph's inputs or "
-                "output",
-                fix="please report this with the model; pass strategy='sqrt' meanwhile",
-            )
-        inside = set(members)
-        inputs: list[fx.Node] = []
-        for member in members:
-            for arg in member.all_input_nodes:
-                if arg not in inside and arg.op != "get_attr" and arg not in inputs:
-                    inputs.append(arg)
-        # A get_attr member read after the segment too (a parameter the next stage uses) is
-        # fetched again in the main graph, never returned by the segment: a reentrant
-        # checkpoint would hand back the Parameter itself as an output of its autograd
-        # Function, which rewrites the Parameter's grad_fn to the checkpoint's backward.
-        for member in members:
-            if member.op == "get_attr" and any(u not in inside for u in member.users):
-                env[member] = copy_into(main, member, env)
-        outputs = [m for m in members
-                   if m.op != "get_attr" and any(u not in inside for u in m.users)]
-        sub = fx.Graph()
-        sub_env: dict[fx.Node, fx.Node] = {}
-        for arg in inputs:
-            sub_env[arg] = sub.placeholder(arg.name)
-        for member in members:
-            for arg in member.all_input_nodes:
-                if arg.op == "get_attr" and arg not in sub_env:
-                    sub_env[arg] = copy_into(sub, arg, sub_env)
-            sub_env[member] = copy_into(sub, member, sub_env)
-        sub.output(tuple(sub_env[o] for o in outputs))
-        sub.lint()
-        fn, src = _compile(sub, f"segment {index} of variant {variant}")
-        programs.append(
-            SegmentProgram(
+    def emit(target: fx.Graph, env: dict[fx.Node, fx.Node], lo: int, hi: int,
+             level: list[int]) -> None:
+        """Copy ``nodes[lo:hi]`` into ``target``, each segment of ``level`` cut out into a
+        compiled function of its own (with its nested segments cut out of it in turn)."""
+        starts = {plan.segments[i].start: i for i in level}
+        position = lo
+        while position < hi:
+            if position not in starts:
+                node = nodes[position]
+                for arg in node.all_input_nodes:
+                    # A parameter read inside a segment is fetched there, not passed in.
+                    if arg.op == "get_attr" and arg not in env:
+                        env[arg] = copy_into(target, arg, env)
+                env[node] = copy_into(target, node, env)
+                position += 1
+                continue
+            index = starts[position]
+            seg = plan.segments[index]
+            members = nodes[seg.start : seg.end]
+            if any(m.op in ("placeholder", "output") for m in members):
+                raise AutockptError(
+                    f"internal error: segment {index} of the plan covers the graph's inputs or "
+                    "output",
+                    fix="please report this with the model; pass strategy='sqrt' meanwhile",
+                )
+            inside = set(members)
+            inputs: list[fx.Node] = []
+            for member in members:
+                for arg in member.all_input_nodes:
+                    if arg not in inside and arg.op != "get_attr" and arg not in inputs:
+                        inputs.append(arg)
+            # A get_attr member read after the segment too (a parameter the next stage uses)
+            # is fetched again outside, never returned by the segment: a reentrant checkpoint
+            # would hand back the Parameter itself as an output of its autograd Function,
+            # which rewrites the Parameter's grad_fn to the checkpoint's backward.
+            for member in members:
+                if member.op == "get_attr" and any(u not in inside for u in member.users):
+                    env[member] = copy_into(target, member, env)
+            outputs = [m for m in members
+                       if m.op != "get_attr" and any(u not in inside for u in m.users)]
+            sub = fx.Graph()
+            sub_env: dict[fx.Node, fx.Node] = {}
+            for arg in inputs:
+                sub_env[arg] = sub.placeholder(arg.name)
+            emit(sub, sub_env, seg.start, seg.end, children[index])
+            sub.output(tuple(sub_env[o] for o in outputs))
+            _drop_dead_attributes(sub)
+            sub.lint()
+            fn, src = _compile(sub, f"segment {index} of variant {variant}")
+            programs[index] = SegmentProgram(
                 fn=fn,
                 segment=seg,
                 trainable=any(trainable[seg.start : seg.end]),
                 source=src,
             )
-        )
-        call = main.call_module(RUN_METHOD, (variant, index, *(env[a] for a in inputs)))
-        for k, out in enumerate(outputs):
-            env[out] = main.call_function(operator.getitem, (call, k))
-        position = seg.end
-    for node in list(main.nodes):
-        # get_attr nodes whose only readers moved into segments are dead in the main graph.
-        if node.op == "get_attr" and not node.users:
-            main.erase_node(node)
+            call = target.call_module(RUN_METHOD, (variant, index, *(env[a] for a in inputs)))
+            for k, out in enumerate(outputs):
+                env[out] = target.call_function(operator.getitem, (call, k))
+            position = seg.end
+
+    emit(main, {}, 0, len(nodes), children[None])
+    _drop_dead_attributes(main)
     main.lint()
     forward, src = _compile(main, f"forward of variant {variant}")
-    return Program(forward=forward, segments=tuple(programs), source=src)
+    assert all(p is not None for p in programs)
+    return Program(forward=forward, segments=tuple(p for p in programs if p is not None),
+                   source=src)
+
+
+def _drop_dead_attributes(graph: fx.Graph) -> None:
+    """Erase get_attr nodes whose only readers moved into a segment."""
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)

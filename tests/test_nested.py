@@ -1,0 +1,230 @@
+"""Nested (re-checkpointed) segments: below the least memory one level of segments reaches,
+the optimal strategy checkpoints ranges again inside segments, and training stays exact.
+
+Each test runs the real thing on CPU: gradients and buffers against an identically seeded
+twin, memory measured with ``autockpt.measure``, recomputation counted with FlopCounterMode.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import autockpt
+from autockpt.chain import build_chain, estimate_peak, optimal_ranges
+from autockpt.nested import _nested_backward, as_tree, estimate_tree_peak, tree_depth
+from autockpt.planner import make_plan
+from autockpt.profile import profile
+from autockpt.report import plan_rows
+from autockpt.trace import trace
+from tests.zoo import get_case
+
+MIB = 2**20
+
+
+def _deep(depth: int = 72, width: int = 256) -> nn.Sequential:
+    """A long chain with BatchNorm and dropout in some blocks: where nesting pays."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers.append(nn.Linear(width, width))
+        if i % 5 == 0:
+            layers.append(nn.BatchNorm1d(width))
+        layers.append(nn.ReLU())
+        if i % 7 == 0:
+            layers.append(nn.Dropout(0.1))
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def _input() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(32, 256)
+
+
+def _profile(model: nn.Module, x: torch.Tensor):  # noqa: ANN202 - a Profile
+    model.train()
+    traced = trace(model, (x,), {})
+    return profile(traced, dict(zip(traced.spec.param_names, traced.graph_inputs({"input": x}))))
+
+
+def _flat_least(model: nn.Module, x: torch.Tensor) -> int:
+    return make_plan(_profile(model, x), None, nesting=False).estimated_peak_bytes
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    model(x).square().mean().backward()
+    out = {f"grad:{n}": p.grad.clone() for n, p in model.named_parameters()}
+    out.update({f"buf:{n}": b.clone() for n, b in model.named_buffers()})
+    return out
+
+
+def test_least_memory_is_below_what_one_level_of_segments_reaches() -> None:
+    model, x = _deep(), _input()
+    flat = _flat_least(model, x)
+    plan = autockpt.plan(model, (x,))
+    assert plan.min_peak_bytes == plan.estimated_peak_bytes < 0.9 * flat
+    assert max(seg.depth for seg in plan.segments) >= 1
+    # Each nested segment lies inside the segment before it of one level less.
+    for k, seg in enumerate(plan.segments):
+        if seg.depth:
+            parent = next(p for p in reversed(plan.segments[:k]) if p.depth == seg.depth - 1)
+            assert parent.start <= seg.start and seg.end <= parent.end
+    # Measured, not only estimated: the least nested plan uses less than the least flat one.
+    measured = autockpt.measure(autockpt.apply(copy.deepcopy(model), plan=plan), x)
+    assert measured.peak_activation_bytes < flat
+
+
+def test_nested_plan_trains_exactly_like_the_model() -> None:
+    """Dropout replays the same mask in both recomputes, BatchNorm statistics are updated
+    once, and every gradient is bitwise the twin's."""
+    model, x = _deep(), _input()
+    twin = copy.deepcopy(model)
+    budget = 0.9 * _flat_least(model, x)
+    ckpt = autockpt.apply(model, budget / MIB, example_inputs=(x,))
+    for _ in range(2):
+        got, want = _step(ckpt, x), _step(twin, x)
+        assert list(got) == list(want)
+        for key in got:
+            assert torch.equal(got[key], want[key]), key
+    plan = autockpt.plan_of(ckpt)
+    assert max(seg.depth for seg in plan.segments) >= 1
+    assert plan.estimated_peak_bytes <= budget
+    assert ckpt.state_dict().keys() == twin.state_dict().keys()
+
+
+def test_nested_plan_fits_its_budget_measured() -> None:
+    model, x = _deep(), _input()
+    budget = int(0.85 * _flat_least(model, x))
+    ckpt = autockpt.apply(model, budget / MIB, example_inputs=(x,))
+    plan = autockpt.plan_of(ckpt)
+    measured = autockpt.measure(ckpt, x).peak_activation_bytes
+    assert measured <= budget * 1.05
+    assert abs(plan.estimated_peak_bytes - measured) <= 0.10 * measured
+
+
+def _backward_flops(model: nn.Module, x: torch.Tensor) -> int:
+    out = model(x).sum()
+    with FlopCounterMode(display=False) as counter:
+        out.backward()
+    return counter.get_total_flops()
+
+
+def test_nested_stages_are_recomputed_twice() -> None:
+    """Backward FLOPs rise by the plan's recompute, which counts a nested stage twice."""
+    model, x = _deep(), _input()
+    baseline = _backward_flops(model, x)
+    ckpt = autockpt.apply(copy.deepcopy(model), 0.85 * _flat_least(model, x) / MIB,
+                          example_inputs=(x,))
+    plan = autockpt.plan_of(ckpt)
+    once = sum(seg.recompute_flops for seg in plan.segments if seg.depth == 0)
+    assert plan.recompute_flops > once  # the nested segments add a second recompute
+    rise = _backward_flops(ckpt, x) - baseline
+    # More than one recompute of the outer segments could do; no more than planned (a
+    # non-reentrant recompute stops once it has rebuilt what backward needs).
+    assert once < rise <= plan.recompute_flops
+
+
+def test_reentrant_mode_does_not_nest() -> None:
+    model, x = _deep(), _input()
+    prof = _profile(model, x)
+    least = make_plan(prof, None, mode="reentrant", nesting=False).estimated_peak_bytes
+    plan = autockpt.plan(model, (x,), mode="reentrant")
+    assert plan.estimated_peak_bytes == least
+    assert all(seg.depth == 0 for seg in plan.segments)
+    with pytest.raises(autockpt.InfeasibleBudgetError) as info:
+        autockpt.plan(model, (x,), budget_mb=0.9 * least / MIB, mode="reentrant")
+    assert info.value.min_feasible_bytes == least
+
+
+def test_below_the_nested_least_the_error_names_it() -> None:
+    model, x = _deep(), _input()
+    least = autockpt.plan(model, (x,)).estimated_peak_bytes
+    with pytest.raises(autockpt.InfeasibleBudgetError) as info:
+        autockpt.plan(model, (x,), budget_mb=0.5 * least / MIB)
+    assert info.value.min_feasible_bytes == least
+    # The model is left untouched by the refusal, and the named budget works.
+    autockpt.plan(model, (x,), budget_mb=least / MIB)
+
+
+def test_printed_rows_number_nested_segments_under_their_parent() -> None:
+    model, x = _deep(), _input()
+    plan = autockpt.plan(model, (x,))
+    numbers = [cells[0] for seg, cells in plan_rows(plan) if seg.checkpointed]
+    assert numbers[0] == "1"
+    assert any("." in n for n in numbers)
+    for seg, cells in plan_rows(plan):
+        if seg.checkpointed:
+            assert cells[0].count(".") == seg.depth
+    assert "inside others" in str(plan)
+
+
+def test_same_model_same_nested_plan() -> None:
+    a = autockpt.plan(_deep(), (_input(),))
+    b = autockpt.plan(_deep(), (_input(),))
+    assert str(a) == str(b) and a.segments == b.segments
+
+
+def test_tree_estimate_equals_the_flat_model_on_flat_plans() -> None:
+    case = get_case("transformer")
+    model = case.build()
+    args, _ = case.inputs()
+    traced = trace(model, args, {})
+    arguments = dict(zip(traced.spec.param_names, args))
+    chain = build_chain(profile(traced, dict(zip(traced.spec.param_names,
+                                                 traced.graph_inputs(arguments)))))
+    found = optimal_ranges(chain, None)
+    assert found is not None and found[0]
+    ranges = found[0]
+    assert estimate_tree_peak(chain, as_tree(ranges)) == estimate_peak(chain, ranges)
+    assert tree_depth(as_tree(ranges)) == 1
+
+
+def test_nested_walk_never_prices_a_segment_below_the_exact_model() -> None:
+    """The walk used for nested segments, run on a segment without inner ones, gives at
+    least what the exact single-level model gives (it may only over-estimate)."""
+    from autockpt.chain import _CKPT, _Model
+
+    chain = build_chain(_profile(_deep(), _input()))
+    model = _Model(chain, "non_reentrant")
+    grads = [t for t, stage in enumerate(chain.stages) if stage.carries_grad]
+    checked = 0
+    for a in grads[:6]:
+        for b in grads:
+            if b < a or any(not chain.stages[t].carries_grad for t in range(a, b + 1)):
+                continue
+            inputs = model.segment_inputs(a, _CKPT)
+            exact, after, _ = model.segment(a, b, 0, inputs)
+            walked = _nested_backward(model, a, b, (), after + model.base)
+            assert walked >= exact - chain.grad_entry[b], (a, b)
+            checked += 1
+    assert checked > 20
+
+
+def test_transformer_nested_least_memory_trains_like_the_model() -> None:
+    case = get_case("transformer")
+    model = case.build()
+    args, _ = case.inputs()
+    twin = copy.deepcopy(model)
+    plan = autockpt.plan(model, args)
+    ckpt = autockpt.apply(model, plan=plan)
+    measured = autockpt.measure(ckpt, args).peak_activation_bytes
+    assert measured <= plan.estimated_peak_bytes * 1.05
+    model.train()
+    twin.train()
+    for net in (ckpt, twin):
+        net.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    ckpt(*args).float().square().mean().backward()
+    torch.manual_seed(3)
+    twin(*args).float().square().mean().backward()
+    for (name, p), (_, q) in zip(ckpt.named_parameters(), twin.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
