@@ -58,8 +58,10 @@ def apply(
             used).
         mode: ``"non_reentrant"`` (default) or ``"reentrant"`` checkpoint.
         strategy: how segments are chosen: ``"optimal"`` (least recompute under the budget,
-            by dynamic programming), ``"greedy"`` (a fast heuristic) or ``"sqrt"`` (Chen et
-            al.'s sqrt(n) segments, whatever the budget).
+            by dynamic programming; in non-reentrant mode, below the least memory one level
+            of segments reaches, with segments checkpointed again inside segments),
+            ``"greedy"`` (a fast heuristic) or ``"sqrt"`` (Chen et al.'s sqrt(n) segments,
+            whatever the budget).
         capture: how the forward is captured: ``"auto"`` (default) tries ``"fx"``
             (torch.fx), ``"export"`` (torch.export), ``"fx-leaves"`` (torch.fx with the
             submodules it cannot trace kept whole) and ``"modules"`` (checkpointing whole

@@ -87,6 +87,11 @@ class Stage:
     """FLOPs of its nodes."""
     carries_grad: bool
     """Whether any of its nodes produces a tensor that requires grad."""
+    tail_cost: int = 0
+    """Cost of its trailing nodes that a non-reentrant recompute ending with this stage
+    skips (see NOTE [ A non-reentrant recompute stops early ])."""
+    tail_flops: int = 0
+    """FLOPs of those nodes."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,18 @@ class Chain:
     """Per stage: its forward peak over what it receives, when not checkpointed."""
     forward_ckpt: tuple[int, ...]
     """Per stage: the same when checkpointed (what it saves is freed as it goes)."""
+    forward_plain_in: tuple[int, ...]
+    """Per stage: its forward peak when not checkpointed, with the tensors crossing into it
+    that the stage before does not save (``cross_next``, ``cross_none``), each alive until
+    its last reader in the stage (to the end of the stage when the stage saves it). At most
+    ``cross_next[t] + cross_none[t] + forward_plain[t]``, which counts them alive through
+    the whole stage."""
+    forward_ckpt_in: tuple[int, ...]
+    """The same when checkpointed, the stage not being the first of its segment (the first
+    keeps its inputs for the recompute)."""
+    forward_stop_in: tuple[int, ...]
+    """``forward_plain_in`` of the last stage of a non-reentrant recompute, which runs only
+    up to where it stops (NOTE [ A non-reentrant recompute stops early ])."""
 
     def crossing(self, cut: int) -> int:
         """All bytes crossing ``cut``."""
@@ -173,6 +190,40 @@ def _candidate_cuts(nodes: Sequence[NodeStat]) -> list[int]:
             allowed.append((c, grads))
     threshold = max(1, min((g for _, g in allowed if g > 0), default=1))
     return [c for c, g in allowed if g <= threshold]
+
+
+# NOTE [ A non-reentrant recompute stops early ]
+# Non-reentrant checkpoint stops its recompute as soon as every tensor the segment saved in
+# forward has been saved again, and autograd saves an op's inputs before its kernel runs. So
+# the nodes after the segment's last saving node never run again, nor does that node's kernel
+# when it saves only tensors made before it (a final Linear saves its input and weight: its
+# matmul is skipped). ``Stage.tail_cost`` is what a segment ending with the stage is spared;
+# hand-written per-block checkpoints get this for free on every block, so a cost model
+# without it would see them recompute more than they do. Reentrant checkpoint reruns the
+# whole segment to get its outputs.
+
+
+def _tails(profile: Profile, start: int, end: int) -> tuple[int, int, int]:
+    """Cost and FLOPs of the nodes ``start..end-1`` that a recompute ending there skips, and
+    the position of the first of them (``end`` when none is skipped)."""
+    saves_own = [False] * len(profile.nodes)
+    saves_any = [False] * len(profile.nodes)
+    for st in profile.storages:
+        for saver in st.saved_by:
+            saves_any[saver] = True
+            if saver == st.producer:
+                saves_own[saver] = True
+    cost = flops = 0
+    stop = end
+    for node in reversed(profile.nodes[start:end]):
+        if saves_own[node.index]:
+            break
+        cost += node_cost(node)
+        flops += node.flops
+        stop = node.index
+        if saves_any[node.index]:
+            break
+    return cost, flops, stop
 
 
 def _merge_aliases(profile: Profile, cuts: list[int]) -> list[int]:
@@ -244,13 +295,17 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
     count = len(cuts) - 1
     stage_of = [0] * n
     stages = []
+    stops: list[int] = []  # per stage, where a non-reentrant recompute ending there stops
     for s, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
         members = nodes[lo:hi]
         stage_of[lo:hi] = [s] * (hi - lo)
         flops = sum(m.flops for m in members)
+        tail_cost, tail_flops, stop = _tails(profile, lo, hi)
+        stops.append(stop)
         stages.append(Stage(start=lo, end=hi, flops=flops,
                             cost=sum(node_cost(m) for m in members),
-                            carries_grad=any(m.requires_grad for m in members)))
+                            carries_grad=any(m.requires_grad for m in members),
+                            tail_cost=tail_cost, tail_flops=tail_flops))
     stage_of[n - 1] = count
     internal = [0] * count
     long_held = [0] * count
@@ -262,6 +317,9 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
     # Storages held through the forward sweep of their own stage, per kind of stage.
     held_plain: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     held_ckpt: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
+    # Tensors crossing into a stage, alive from its start (as if made just before it).
+    received_plain: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
+    received_ckpt: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     for st in profile.storages:
         p = stage_of[st.producer]
         users = sorted({stage_of[u] for u in st.users if u < n - 1})
@@ -287,6 +345,13 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
             kept = (st.producer, stages[p].end - 1, size)
             held_plain[p].append(kept if by_prev else (st.producer, end_in_stage, size))
             held_ckpt[p].append((st.producer, end_in_stage, size))
+            receiver = stages[p + 1]
+            last_read = max((u for u in st.users if receiver.start <= u < receiver.end),
+                            default=receiver.start)
+            if not by_prev:  # what the stage before saves is held, and counted there
+                received_plain[p + 1].append(
+                    (receiver.start - 1, receiver.end - 1 if by_next else last_read, size))
+            received_ckpt[p + 1].append((receiver.start - 1, last_read, size))
         else:
             if p in savers:
                 internal[p] += size
@@ -310,12 +375,20 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
                 alive -= spans[k][1]
     forward_plain = [_sweep(nodes, stage, held_plain[s]) for s, stage in enumerate(stages)]
     forward_ckpt = [_sweep(nodes, stage, held_ckpt[s]) for s, stage in enumerate(stages)]
+    forward_plain_in = [_sweep(nodes, stage, held_plain[s] + received_plain[s])
+                        for s, stage in enumerate(stages)]
+    forward_ckpt_in = [_sweep(nodes, stage, held_ckpt[s] + received_ckpt[s])
+                       for s, stage in enumerate(stages)]
+    forward_stop_in = [_sweep(nodes, stage, held_plain[s] + received_plain[s], stops[s])
+                       for s, stage in enumerate(stages)]
     return Chain(
         stages=tuple(stages), internal_saved=tuple(internal), cross_prev=tuple(prev),
         cross_next=tuple(nxt), cross_both=tuple(both), cross_none=tuple(none),
         long_held=tuple(long_held), long_saved=tuple(long_saved), output_bytes=tuple(outputs),
         grad_entry=tuple(entry[s] for s in range(count)), backward_peak=tuple(peak),
         forward_plain=tuple(forward_plain), forward_ckpt=tuple(forward_ckpt),
+        forward_plain_in=tuple(forward_plain_in), forward_ckpt_in=tuple(forward_ckpt_in),
+        forward_stop_in=tuple(forward_stop_in),
     )
 
 
@@ -417,17 +490,19 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
     return grads_at, entry
 
 
-def _sweep(nodes: Sequence[NodeStat], stage: Stage, spans: list[tuple[int, int, int]]) -> int:
+def _sweep(nodes: Sequence[NodeStat], stage: Stage, spans: list[tuple[int, int, int]],
+           stop: int | None = None) -> int:
     """Forward peak inside a stage: storages it produced that are still alive, plus the
     working set of the node running. A storage lives from the node after its producer (the
-    producer's working set covers it there) to its last reader in the stage."""
+    producer's working set covers it there) to its last reader in the stage. With ``stop``,
+    only the nodes before that position run."""
     alive = [0] * (stage.end - stage.start + 1)
     for producer, end, size in spans:
         if end > producer:
             alive[producer + 1 - stage.start] += size
             alive[end + 1 - stage.start] -= size
     peak = running = 0
-    for k in range(stage.start, stage.end):
+    for k in range(stage.start, stage.end if stop is None else stop):
         running += alive[k - stage.start]
         peak = max(peak, running + nodes[k].work_bytes)
     return peak
@@ -483,10 +558,13 @@ class _Model:
         self.start = [self.internal[a] + self.cross_saved[a + 1] + self.long_saved[a]
                       for a in range(self.count)]
         # Recomputing stage t: what stages a..t-1 saved, what crosses into t, t's sweep.
-        refwd = [self.internal[t] + self.cross_saved[t] + c.crossing(t) + self.long_saved[t]
-                 + c.forward_plain[t] for t in range(self.count)]
+        refwd = [self.internal[t] + self.cross_saved[t] + c.cross_prev[t] + c.cross_both[t]
+                 + self.long_saved[t] + c.forward_plain_in[t] for t in range(self.count)]
         self.key_max = _running_max(self.key)
         self.refwd_max = _running_max(refwd)
+        # Its last stage runs only up to where a non-reentrant recompute stops.
+        self.refwd_last = [refwd[t] - c.forward_plain_in[t] + c.forward_stop_in[t]
+                           for t in range(self.count)]
 
     def plain(self, t: int, before: int, held: int) -> tuple[int, int]:
         """Stage ``t`` not checkpointed: its peak, and the held bytes after it."""
@@ -494,7 +572,8 @@ class _Model:
         received = c.cross_next[t] + (c.cross_prev[t] + c.cross_both[t] if before == _CKPT else 0)
         after = (held + received + c.internal_saved[t] + c.long_held[t]
                  + c.cross_prev[t + 1] + c.cross_both[t + 1])
-        forward = held + c.crossing(t) + self.outputs[t] + c.forward_plain[t]
+        forward = held + self.outputs[t] + c.forward_plain_in[t] + (
+            c.cross_prev[t] + c.cross_both[t] if before == _CKPT else 0)
         backward = after - c.internal_saved[t] + self.base + c.backward_peak[t]
         return max(forward, backward), after
 
@@ -508,7 +587,10 @@ class _Model:
         after = held + inputs + self.long_held[b + 1] - self.long_held[a]
         held_now = after + self.base
         lower = held_now + self.key_max[a][b - a] - self.start[a]
-        refwd = held_now + c.grad_entry[b] + self.refwd_max[a][b - a] - (
+        recompute = self.refwd_max[a][b - a]
+        if not self.reentrant:
+            recompute = max(self.refwd_max[a][b - a - 1] if b > a else 0, self.refwd_last[b])
+        refwd = held_now + c.grad_entry[b] + recompute - (
             self.internal[a] + self.cross_saved[a + 1] + self.long_saved[a])
         if not self.reentrant:
             return max(lower, refwd), after, lower
@@ -534,10 +616,9 @@ class _Model:
         """Forward peak of stage ``t`` inside a segment that starts at ``a``."""
         c = self.chain
         if t == a:
-            carried = held + c.crossing(a)
-        else:
-            carried = held + inputs + self.long_held[t] - self.long_held[a] + c.crossing(t)
-        return carried + self.outputs[t] + c.forward_ckpt[t]
+            return held + c.crossing(a) + self.outputs[t] + c.forward_ckpt[t]
+        carried = held + inputs + self.long_held[t] - self.long_held[a]
+        return carried + self.outputs[t] + c.forward_ckpt_in[t]
 
 
 def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:
@@ -549,7 +630,8 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
         ...               cross_prev=(0, 0), cross_next=(0, 0), cross_both=(0, 0),
         ...               cross_none=(0, 0), long_held=(0,), long_saved=(0,),
         ...               output_bytes=(8,), grad_entry=(0,), backward_peak=(88,),
-        ...               forward_plain=(72,), forward_ckpt=(8,))
+        ...               forward_plain=(72,), forward_ckpt=(8,), forward_plain_in=(72,),
+        ...               forward_ckpt_in=(8,), forward_stop_in=(72,))
         >>> estimate_peak(chain, ())   # 64 held + 8 output + 8 gradient + 16 working set
         96
     """
@@ -573,9 +655,16 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
     return peak
 
 
-def recompute_cost(chain: Chain, ranges: Ranges) -> int:
-    """Total cost of the stages ``ranges`` recompute."""
-    return sum(chain.stages[t].cost for a, b in ranges for t in range(a, b + 1))
+def recompute_cost(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:
+    """Total cost of what ``ranges`` recompute (see NOTE [ A non-reentrant recompute stops
+    early ])."""
+    return sum(segment_cost(chain, a, b, mode) for a, b in ranges)
+
+
+def segment_cost(chain: Chain, a: int, b: int, mode: str = "non_reentrant") -> int:
+    """Cost of recomputing stages ``a..b`` as one segment."""
+    total = sum(chain.stages[t].cost for t in range(a, b + 1))
+    return total - (chain.stages[b].tail_cost if mode == "non_reentrant" else 0)
 
 
 # --------------------------------------------------------------------------- optimisation
@@ -630,7 +719,8 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
         ...               cross_prev=(0, 0), cross_next=(0, 0), cross_both=(0, 0),
         ...               cross_none=(0, 0), long_held=(0,), long_saved=(0,),
         ...               output_bytes=(8,), grad_entry=(0,), backward_peak=(88,),
-        ...               forward_plain=(72,), forward_ckpt=(8,))
+        ...               forward_plain=(72,), forward_ckpt=(8,), forward_plain_in=(72,),
+        ...               forward_ckpt_in=(8,), forward_stop_in=(72,))
         >>> optimal_ranges(chain, 200)
         ((), 96)
     """
@@ -676,7 +766,7 @@ def _solve(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool
             sketch = _solve_frontiers(chain, budget, mode, minimise_peak=False,
                                       width=_SKETCH_WIDTH)
             if sketch is not None:
-                bound = recompute_cost(chain, sketch[0])
+                bound = recompute_cost(chain, sketch[0], mode)
         return _solve_frontiers(chain, budget, mode, minimise_peak=minimise_peak, bound=bound)
 
 
@@ -725,12 +815,13 @@ def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_pe
                 continue
             inputs = model.segment_inputs(i, before)
             forward0 = 0
-            cost = 0
+            total = 0
             for b in range(i, count):
                 if not chain.stages[b].carries_grad:
                     break
                 forward0 = max(forward0, model.segment_forward(i, b, 0, inputs))
-                cost += chain.stages[b].cost
+                total += chain.stages[b].cost
+                cost = total - (0 if model.reentrant else chain.stages[b].tail_cost)
                 value0, after0, lower0 = model.segment(i, b, 0, inputs)
                 value0 = max(value0, forward0)
                 if limit is not None:
@@ -757,7 +848,7 @@ def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_pe
         # The least peak, then the least cost among those: costs only for the few that tie.
         least = min(e[1] for e in finals)
         _, peak, path = min((e for e in finals if e[1] == least),
-                            key=lambda e: recompute_cost(chain, _ranges(e[2])))
+                            key=lambda e: recompute_cost(chain, _ranges(e[2]), mode))
         return _ranges(path), peak
     _, _, path = min(finals, key=lambda e: (e[1], e[0]))
     ranges = _ranges(path)

@@ -42,7 +42,7 @@ the cheapest one that fits is kept.
 from __future__ import annotations
 
 import math
-from autockpt.chain import _CKPT, _PLAIN, Chain, Ranges, _Model, estimate_peak
+from autockpt.chain import _CKPT, _PLAIN, Chain, Ranges, _Model, estimate_peak, segment_cost
 
 __all__ = ["Tree", "as_tree", "flatten_tree", "tree_depth", "tree_cost", "estimate_tree_peak",
            "nested_plans"]
@@ -71,8 +71,9 @@ def tree_depth(tree: Tree) -> int:
 
 
 def tree_cost(chain: Chain, tree: Tree) -> int:
-    """Recompute cost: every range's stages run once more per range they are in."""
-    return sum(chain.stages[t].cost for a, b, _ in flatten_tree(tree) for t in range(a, b + 1))
+    """Recompute cost: every range's stages run once more per range they are in (less what
+    each non-reentrant recompute skips at its end)."""
+    return sum(segment_cost(chain, a, b) for a, b, _ in flatten_tree(tree))
 
 
 def as_tree(ranges: Ranges) -> Tree:
@@ -91,7 +92,8 @@ def estimate_tree_peak(chain: Chain, tree: Tree) -> int:
         ...               cross_prev=(0, 0), cross_next=(0, 0), cross_both=(0, 0),
         ...               cross_none=(0, 0), long_held=(0,), long_saved=(0,),
         ...               output_bytes=(8,), grad_entry=(0,), backward_peak=(88,),
-        ...               forward_plain=(72,), forward_ckpt=(8,))
+        ...               forward_plain=(72,), forward_ckpt=(8,), forward_plain_in=(72,),
+        ...               forward_ckpt_in=(8,), forward_stop_in=(72,))
         >>> estimate_tree_peak(chain, ())
         96
     """
@@ -135,15 +137,26 @@ def _nested_backward(model: _Model, a: int, b: int, inner: Tree, outside: int) -
             d, tree = starts[t]
             inputs = 0 if t == a else model.segment_inputs(t, before)
             for u in range(t, d + 1):
-                carried = inputs + model.long_held[u + 1] - model.long_held[t] + c.crossing(u)
-                peak = max(peak, outside + grad + saved + carried + c.forward_ckpt[u])
+                # As in ``_Model.segment_forward``: at its first stage the inputs are what
+                # crosses into it, counted once.
+                if u == t:
+                    carried = c.crossing(u) + c.forward_ckpt[u]
+                else:
+                    carried = (inputs + model.long_held[u] - model.long_held[t]
+                               + c.forward_ckpt_in[u])
+                peak = max(peak, outside + grad + saved + carried)
             steps.append((t, d, tree, saved, inputs))
             saved += inputs + model.long_saved[d + 1] - model.long_saved[t]
             before, t = _CKPT, d + 1
         else:
             received = 0 if t == a else c.cross_next[t] + (
                 c.cross_prev[t] + c.cross_both[t] if before == _CKPT else 0)
-            peak = max(peak, outside + grad + saved + c.crossing(t) + c.forward_plain[t])
+            if t == a:  # what crosses into it is held as the segment's inputs
+                working = c.forward_plain[t]
+            else:
+                working = (c.forward_stop_in[t] if t == b else c.forward_plain_in[t]) + (
+                    c.cross_prev[t] + c.cross_both[t] if before == _CKPT else 0)
+            peak = max(peak, outside + grad + saved + working)
             steps.append((t, t, (), saved, -1))
             saved += (received + c.internal_saved[t] + c.long_saved[t]
                       + c.cross_prev[t + 1] + c.cross_both[t + 1])
@@ -195,7 +208,8 @@ def nested_plans(chain: Chain, span: int) -> list[tuple[int, int, Tree]]:
         ...               cross_prev=(0, 0), cross_next=(0, 0), cross_both=(0, 0),
         ...               cross_none=(0, 0), long_held=(0,), long_saved=(0,),
         ...               output_bytes=(8,), grad_entry=(0,), backward_peak=(88,),
-        ...               forward_plain=(72,), forward_ckpt=(8,))
+        ...               forward_plain=(72,), forward_ckpt=(8,), forward_plain_in=(72,),
+        ...               forward_ckpt_in=(8,), forward_stop_in=(72,))
         >>> nested_plans(chain, 200)
         [(96, 0, ())]
     """

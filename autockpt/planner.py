@@ -215,11 +215,11 @@ def _moves(ranges: Ranges) -> list[Ranges]:
 
 def _refine(chain: Chain, ranges: Ranges, budget: int, mode: str) -> Ranges:
     """Greedy descent: take the move that saves the most recompute and still fits."""
-    cost = recompute_cost(chain, ranges)
+    cost = recompute_cost(chain, ranges, mode)
     while True:
         best = None
         for option in _moves(ranges):
-            option_cost = recompute_cost(chain, option)
+            option_cost = recompute_cost(chain, option, mode)
             if option_cost >= cost or (best is not None and option_cost >= best[0]):
                 continue
             if estimate_peak(chain, option, mode) <= budget:
@@ -239,7 +239,7 @@ def _greedy(chain: Chain, budget: int | None, mode: str, nesting: bool
             ) -> tuple[Tree | None, int]:
     """Plans shaped like ``checkpoint_sequential`` for many segment counts, then a descent
     that trims or drops segments while the budget still holds."""
-    scored = [(estimate_peak(chain, r, mode), recompute_cost(chain, r), r)
+    scored = [(estimate_peak(chain, r, mode), recompute_cost(chain, r, mode), r)
               for r in _candidates(chain)]
     min_peak = min(peak for peak, _, _ in scored)
     if budget is None:
@@ -407,7 +407,8 @@ def _describe(
                 checkpointed=True,
                 boundary_bytes=sum(st.size_bytes for st in inputs),
                 freed_bytes=freed,
-                recompute_flops=sum(m.flops for m in members),
+                recompute_flops=sum(m.flops for m in members)
+                - (stages[b].tail_flops if mode == "non_reentrant" else 0),
                 dummy_arg=mode == "reentrant"
                 and not input_grad
                 and any(m.trainable for m in members),

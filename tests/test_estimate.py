@@ -15,8 +15,8 @@ SLOW = {"mlp72", "densenet_block", "resnet", "generator"}
 # Plans whose estimate is still more than 10% over the measure (never under): checkpointed
 # residual blocks (the reentrant terms for a segment's outputs and boundary overshoot; the
 # non-reentrant recompute term of resnet's least-memory plan too).
-KNOWN_OVER = {("resnet", "non_reentrant"), ("resnet", "reentrant"),
-              ("inplace_relu", "reentrant"), ("transformer", "reentrant")}
+KNOWN_OVER = {("resnet", "reentrant"), ("inplace_relu", "reentrant"),
+              ("transformer", "reentrant")}
 
 
 def _params() -> list[object]:
