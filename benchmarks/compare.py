@@ -1,7 +1,8 @@
 """autockpt against every alternative, side by side, in one run.
 
 For each model and method: peak activation memory (measured with ``autockpt.measure``), the
-step time as a ratio to no checkpointing (median of ``--repeat`` steps after a warm-up), the
+step time as a ratio to no checkpointing (median of ``--repeat`` steps after a warm-up,
+timed round-robin across the methods so that the machine's load falls on all alike), the
 backward FLOPs as a ratio to no checkpointing (``FlopCounterMode``, with the CPU attention kernel counted: what is recomputed), and
 the time autockpt took to plan. autockpt is asked, for each alternative, for the memory that
 alternative measured, so each pair can be compared at equal or lower memory.
@@ -18,8 +19,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -143,23 +146,25 @@ def run_model(name: str, repeat: int, compile_budgets: bool) -> list[Row]:
     rows: list[Row] = []
     reference: dict[str, float] = {}
 
+    timed: list[tuple[Row, nn.Module]] = []
+
     def record(method: str, model: nn.Module, *, plan_seconds: float | None = None,
                matched_to: str | None = None, note: str = "", memory: bool = True) -> Row:
-        report = autockpt.measure(model, (x,), warmup=1, repeat=repeat)
+        report = autockpt.measure(model, (x,)) if memory else None
         flops = None if not memory else _backward_flops(model, x)
         if not reference:
-            reference["seconds"], reference["flops"] = report.step_seconds, float(flops or 1)
+            reference["flops"] = float(flops or 1)
         row = Row(
             model=name, method=method,
-            peak_activation_mib=report.peak_activation_bytes / MIB if memory else None,
-            step_ms=report.step_seconds * 1000,
-            time_ratio=report.step_seconds / reference["seconds"],
+            peak_activation_mib=None if report is None else report.peak_activation_bytes / MIB,
+            step_ms=float("nan"), time_ratio=float("nan"),
             backward_flops_ratio=None if flops is None else flops / reference["flops"],
             plan_seconds=plan_seconds, matched_to=matched_to, note=note,
         )
         rows.append(row)
-        print(f"  {name:9s} {method:40s} peak {row.peak_activation_mib or float('nan'):8.2f} MiB"
-              f"  time x{row.time_ratio:.2f}", flush=True)
+        timed.append((row, model))
+        print(f"  {name:9s} {method:40s} peak {row.peak_activation_mib or float('nan'):8.2f} MiB",
+              flush=True)
         return row
 
     alternatives = _alternatives(base, compile_budgets)
@@ -199,7 +204,31 @@ def run_model(name: str, repeat: int, compile_budgets: bool) -> list[Row]:
     seconds = time.perf_counter() - start
     record("autockpt (least memory)", ckpt, plan_seconds=seconds,
            note=_segments_note(autockpt.plan_of(ckpt)))
+    seconds_per_step = time_interleaved([model for _, model in timed],
+                                        lambda model: model(x).float().sum(), repeat)
+    for (row, _), step in zip(timed, seconds_per_step):
+        row.step_ms = step * 1000
+        row.time_ratio = step / seconds_per_step[0]
     return rows
+
+
+def time_interleaved(models: list[nn.Module], loss: Callable[[nn.Module], torch.Tensor],
+                     repeat: int) -> list[float]:
+    """Median seconds of one training step (``loss(model)``, then backward) per model, timed
+    round-robin: one warm-up round, then ``repeat`` rounds each running every model once,
+    so that a change in the load of a shared machine falls on all methods alike."""
+    samples: list[list[float]] = [[] for _ in models]
+    for round_index in range(repeat + 1):
+        for model, out in zip(models, samples):
+            model.train()
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            loss(model).backward()
+            elapsed = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            if round_index:
+                out.append(elapsed)
+    return [statistics.median(out) for out in samples]
 
 
 def _segments_note(plan: autockpt.Plan) -> str:

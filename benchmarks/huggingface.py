@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ from autockpt.report import format_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import Row as CompareRow  # noqa: E402
+from compare import time_interleaved  # noqa: E402
 
 MIB = 2**20
 BATCH, SEQ, VOCAB = 4, 128, 2048
@@ -104,25 +104,6 @@ def _backward_flops_and_loss(model: nn.Module, kwargs: dict[str, Any]) -> tuple[
         loss.backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops(), loss.item()
-
-
-def time_interleaved(models: list[nn.Module], kwargs: dict[str, Any], repeat: int
-                     ) -> list[float]:
-    """Median seconds of one training step per model, timed round-robin: one warm-up round,
-    then ``repeat`` rounds each running every model once, so that a change in the load of a
-    shared machine falls on all methods alike."""
-    samples: list[list[float]] = [[] for _ in models]
-    for round_index in range(repeat + 1):
-        for model, out in zip(models, samples):
-            model.train()
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            model(**kwargs).loss.backward()
-            elapsed = time.perf_counter() - start
-            model.zero_grad(set_to_none=True)
-            if round_index:
-                out.append(elapsed)
-    return [statistics.median(out) for out in samples]
 
 
 def _hf_checkpointed(base: nn.Module, kwargs: dict[str, Any] | None) -> nn.Module:
@@ -235,7 +216,8 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
                note=f"budget {budget_text}, estimated {plan.estimated_peak_bytes / MIB:.2f} MiB")
         if budget is None:
             least = ckpt
-    seconds = time_interleaved([model for _, model in timed], kwargs, repeat)
+    seconds = time_interleaved([model for _, model in timed],
+                               lambda model: model(**kwargs).loss, repeat)
     for (row, _), value in zip(timed, seconds):
         row.step_ms = value * 1000
         row.time_ratio = value / seconds[0]
