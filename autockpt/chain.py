@@ -203,9 +203,8 @@ def _candidate_cuts(nodes: Sequence[NodeStat]) -> list[int]:
 # whole segment to get its outputs.
 
 
-def _tails(profile: Profile, start: int, end: int) -> tuple[int, int, int]:
-    """Cost and FLOPs of the nodes ``start..end-1`` that a recompute ending there skips, and
-    the position of the first of them (``end`` when none is skipped)."""
+def _savers(profile: Profile) -> tuple[list[bool], list[bool]]:
+    """Per node: whether it saves a tensor it made itself, and whether it saves any."""
     saves_own = [False] * len(profile.nodes)
     saves_any = [False] * len(profile.nodes)
     for st in profile.storages:
@@ -213,6 +212,13 @@ def _tails(profile: Profile, start: int, end: int) -> tuple[int, int, int]:
             saves_any[saver] = True
             if saver == st.producer:
                 saves_own[saver] = True
+    return saves_own, saves_any
+
+
+def _tails(profile: Profile, start: int, end: int, saves_own: Sequence[bool],
+           saves_any: Sequence[bool]) -> tuple[int, int, int]:
+    """Cost and FLOPs of the nodes ``start..end-1`` that a recompute ending there skips, and
+    the position of the first of them (``end`` when none is skipped)."""
     cost = flops = 0
     stop = end
     for node in reversed(profile.nodes[start:end]):
@@ -296,11 +302,12 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
     stage_of = [0] * n
     stages = []
     stops: list[int] = []  # per stage, where a non-reentrant recompute ending there stops
+    saves_own, saves_any = _savers(profile)
     for s, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
         members = nodes[lo:hi]
         stage_of[lo:hi] = [s] * (hi - lo)
         flops = sum(m.flops for m in members)
-        tail_cost, tail_flops, stop = _tails(profile, lo, hi)
+        tail_cost, tail_flops, stop = _tails(profile, lo, hi, saves_own, saves_any)
         stops.append(stop)
         stages.append(Stage(start=lo, end=hi, flops=flops,
                             cost=sum(node_cost(m) for m in members),
