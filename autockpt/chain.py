@@ -3,7 +3,7 @@
 Plain numbers only (no fx): :func:`build_chain` turns a :class:`~autockpt.stats.Profile` into
 a :class:`Chain`; :func:`estimate_peak` predicts the peak activation bytes of any choice of
 checkpointed stage ranges; :func:`optimal_ranges` finds the choice of least recompute under a
-budget, or of least peak.
+budget, or of least peak; :func:`least_peak` says what that least peak is.
 
 # NOTE [ The memory model ]
 Cut points split the graph into stages (see ``_candidate_cuts``). Every activation storage is
@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from autockpt.stats import NodeStat, Profile, node_cost
 
 __all__ = ["Stage", "Chain", "Ranges", "build_chain", "estimate_peak", "recompute_cost",
-           "optimal_ranges"]
+           "segment_cost", "optimal_ranges", "least_peak"]
 
 Ranges = tuple[tuple[int, int], ...]
 """Checkpointed segments as inclusive ``(first_stage, last_stage)`` pairs, sorted, disjoint."""
@@ -719,7 +719,8 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
 
     A dynamic programme over cuts: the state is the cut, whether the stage before it was
     checkpointed, and the bytes held so far; each state keeps the Pareto frontier of (held
-    bytes, score), score being the cost, or for ``budget=None`` the peak so far.
+    bytes, cost). The least peak itself (:func:`least_peak`) needs no frontier: every peak
+    term is ``held + constant``, so a backward pass over the blocks finds it.
 
     Example:
         >>> chain = Chain(stages=(Stage(0, 1, 1, 1, True),), internal_saved=(64,),
@@ -732,11 +733,49 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
         ((), 96)
     """
     if budget is None:
-        best = _solve(chain, None, mode, minimise_peak=True)
-        if best is None:
-            return None
-        budget = best[1]
-    return _solve(chain, budget, mode, minimise_peak=False)
+        budget = least_peak(chain, mode)  # then the cheapest plan that reaches it
+    return _solve(chain, budget, mode)
+
+
+def _least_suffix_peaks(model: _Model) -> dict[tuple[int, int], float]:
+    """For each state ``(cut, before)`` of the programme, the least peak that the stages
+    from the cut on can add to what is held there: every peak term of a block is ``held +
+    constant`` and the held bytes only grow, so a backward pass over the same blocks finds
+    it. ``-inf`` past the last stage."""
+    chain = model.chain
+    count = model.count
+    rest: dict[tuple[int, int], float] = {(count, _PLAIN): -math.inf, (count, _CKPT): -math.inf}
+    for i in range(count - 1, -1, -1):
+        for before in (_PLAIN, _CKPT):
+            value0, after0 = model.plain(i, before, 0)
+            best = max(value0, after0 + rest[(i + 1, _PLAIN)])
+            if chain.stages[i].carries_grad:
+                inputs = model.segment_inputs(i, before)
+                forward0 = 0
+                for b in range(i, count):
+                    if not chain.stages[b].carries_grad:
+                        break
+                    forward0 = max(forward0, model.segment_forward(i, b, 0, inputs))
+                    value, after, _ = model.segment(i, b, 0, inputs)
+                    best = min(best, max(value, forward0, after + rest[(b + 1, _CKPT)]))
+            rest[(i, before)] = best
+    return rest
+
+
+def least_peak(chain: Chain, mode: str = "non_reentrant") -> int:
+    """The least estimated peak any choice of single-level ranges reaches.
+
+    Example:
+        >>> chain = Chain(stages=(Stage(0, 1, 1, 1, True),), internal_saved=(64,),
+        ...               cross_prev=(0, 0), cross_next=(0, 0), cross_both=(0, 0),
+        ...               cross_none=(0, 0), long_held=(0,), long_saved=(0,),
+        ...               output_bytes=(8,), grad_entry=(0,), backward_peak=(88,),
+        ...               forward_plain=(72,), forward_ckpt=(8,), forward_plain_in=(72,),
+        ...               forward_ckpt_in=(8,), forward_stop_in=(72,))
+        >>> least_peak(chain)
+        96
+    """
+    return int(_least_suffix_peaks(_Model(chain, mode))[(0, _PLAIN)])
 
 
 @contextmanager
@@ -760,36 +799,40 @@ _SKETCH_WIDTH = 8
 """Frontier entries per state kept by the quick first pass of a budgeted solve."""
 
 
-def _solve(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool
-           ) -> tuple[Ranges, int] | None:
+def _solve(chain: Chain, budget: int, mode: str) -> tuple[Ranges, int] | None:
     with _gc_paused():
+        # A quick pass that keeps only a few entries per state finds a plan that fits,
+        # usually of near-least cost. Its cost bounds the exact pass: an entry that already
+        # costs more can never lead to the optimum (costs only add up), and dropping it
+        # changes nothing else (it dominates no cheaper entry). Same result, far smaller
+        # frontiers.
         bound = None
-        if budget is not None and not minimise_peak:
-            # A quick pass that keeps only a few entries per state finds a plan that fits,
-            # usually of near-least cost. Its cost bounds the exact pass: an entry that
-            # already costs more can never lead to the optimum (costs only add up), and
-            # dropping it changes nothing else (it dominates no cheaper entry). Same result,
-            # far smaller frontiers.
-            sketch = _solve_frontiers(chain, budget, mode, minimise_peak=False,
-                                      width=_SKETCH_WIDTH)
-            if sketch is not None:
-                bound = recompute_cost(chain, sketch[0], mode)
-        return _solve_frontiers(chain, budget, mode, minimise_peak=minimise_peak, bound=bound)
+        sketch = _solve_frontiers(chain, budget, mode, width=_SKETCH_WIDTH)
+        if sketch is not None:
+            bound = recompute_cost(chain, sketch[0], mode)
+        return _solve_frontiers(chain, budget, mode, bound=bound)
 
 
-def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_peak: bool,
-                     width: int | None = None, bound: int | None = None
-                     ) -> tuple[Ranges, int] | None:
+def _solve_frontiers(chain: Chain, budget: int, mode: str, *, width: int | None = None,
+                     bound: int | None = None) -> tuple[Ranges, int] | None:
     """The dynamic programme. ``width`` keeps at most that many entries per state (evenly
     spread over the frontier, a heuristic); ``bound`` drops entries whose cost exceeds it."""
     model = _Model(chain, mode)
     count = model.count
-    limit = budget if budget is not None else None
-    # frontier[(cut, before)] -> [(held, score, path)]; score is cost or the peak so far.
+    limit = budget
+    # frontier[(cut, before)] -> [(held, cost, path)]
     frontier: dict[tuple[int, int], list[_Entry]] = {(0, _PLAIN): [(0, 0, None)]}
+    # An entry holding more than this at a cut cannot finish within the budget, whatever
+    # comes after it: drop it before it costs a sort.
+    cap = {key: limit - rest for key, rest in _least_suffix_peaks(model).items()}
 
     def push(key: tuple[int, int], entries: list[_Entry]) -> None:
         if entries:
+            most = cap[key]
+            if entries[-1][0] > most:
+                entries = [e for e in entries if e[0] <= most]
+                if not entries:
+                    return
             frontier.setdefault(key, []).extend(entries)
 
     for i in range(count):
@@ -797,11 +840,11 @@ def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_pe
             entries = frontier.pop((i, before), None)
             if not entries:
                 continue
-            entries = _pareto(entries)  # ascending held, descending score
+            entries = _pareto(entries)  # ascending held, descending cost
             if width is not None and len(entries) > width:
                 step = (len(entries) - 1) / (width - 1)
                 entries = [entries[round(k * step)] for k in range(width)]
-            # Scores descend along the frontier: the entries within the cost bound, now and
+            # Costs descend along the frontier: the entries within the cost bound, now and
             # after a block's cost is added, are a suffix, found by bisection.
             if bound is not None:
                 entries = entries[bisect_left([-e[1] for e in entries], -bound):]
@@ -813,11 +856,8 @@ def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_pe
             # by bisection on the held bytes.
             helds = [e[0] for e in entries]
             value0, after0 = model.plain(i, before, 0)
-            fit = entries if limit is None else entries[:bisect_right(helds, limit - value0)]
-            if minimise_peak:
-                push((i + 1, _PLAIN), [(h + after0, max(sc, h + value0), p) for h, sc, p in fit])
-            else:
-                push((i + 1, _PLAIN), [(h + after0, sc, p) for h, sc, p in fit])
+            fit = entries[:bisect_right(helds, limit - value0)]
+            push((i + 1, _PLAIN), [(h + after0, sc, p) for h, sc, p in fit])
             if not chain.stages[i].carries_grad:
                 continue
             inputs = model.segment_inputs(i, before)
@@ -831,32 +871,18 @@ def _solve_frontiers(chain: Chain, budget: int | None, mode: str, *, minimise_pe
                 cost = total - (0 if model.reentrant else chain.stages[b].tail_cost)
                 value0, after0, lower0 = model.segment(i, b, 0, inputs)
                 value0 = max(value0, forward0)
-                if limit is not None:
-                    if helds[0] + max(lower0, forward0) > limit:
-                        break  # the lower bound only grows with b: longer segments fail too
-                    hi = bisect_right(helds, limit - value0)
-                    lo = 0 if bound is None else bisect_left(negated, cost - bound)
-                    fit = entries[lo:hi]
-                    if not fit:
-                        continue
-                else:
-                    fit = entries
-                block = (i, b)
-                if minimise_peak:
-                    push((b + 1, _CKPT), [(h + after0, max(sc, h + value0), (block, p))
-                                          for h, sc, p in fit])
-                else:
+                if helds[0] + max(lower0, forward0) > limit:
+                    break  # the lower bound only grows with b: longer segments fail too
+                hi = bisect_right(helds, limit - value0)
+                lo = 0 if bound is None else bisect_left(negated, cost - bound)
+                fit = entries[lo:hi]
+                if fit:
+                    block = (i, b)
                     push((b + 1, _CKPT), [(h + after0, sc + cost, (block, p))
                                           for h, sc, p in fit])
     finals = frontier.get((count, _PLAIN), []) + frontier.get((count, _CKPT), [])
     if not finals:
         return None
-    if minimise_peak:
-        # The least peak, then the least cost among those: costs only for the few that tie.
-        least = min(e[1] for e in finals)
-        _, peak, path = min((e for e in finals if e[1] == least),
-                            key=lambda e: recompute_cost(chain, _ranges(e[2]), mode))
-        return _ranges(path), peak
     _, _, path = min(finals, key=lambda e: (e[1], e[0]))
     ranges = _ranges(path)
     return ranges, estimate_peak(chain, ranges, mode)

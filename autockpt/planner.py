@@ -26,7 +26,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from autockpt.chain import Chain, Ranges, build_chain, estimate_peak, optimal_ranges, recompute_cost
+from autockpt.chain import (Chain, Ranges, build_chain, estimate_peak, least_peak, optimal_ranges,
+                            recompute_cost)
 from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
 from autockpt.nested import Tree, as_tree, estimate_tree_peak, flatten_tree, nested_plans, tree_depth
 from autockpt.stats import NodeStat, Profile
@@ -266,12 +267,18 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
     """The least recompute under the budget, exactly, for the memory model of
     :mod:`autockpt.chain` (a dynamic programme over the chain); below the least peak of
     single-level plans, nested plans from the rotor programme (NOTE [ Where nesting pays ])."""
-    least = optimal_ranges(chain, None, mode)
-    assert least is not None  # checkpointing nothing is always a choice
-    least_ranges, min_peak = least
-    if budget is not None and budget >= min_peak:
-        found = optimal_ranges(chain, budget, mode)
-        return (as_tree(found[0]) if found is not None else None), min_peak
+    least_ranges: Ranges = ()
+    if budget is not None:
+        min_peak = least_peak(chain, mode)
+        if budget >= estimate_peak(chain, (), mode):
+            return (), min_peak  # met as it is: nothing to search
+        if budget >= min_peak:
+            found = optimal_ranges(chain, budget, mode)
+            return (as_tree(found[0]) if found is not None else None), min_peak
+    else:
+        least = optimal_ranges(chain, None, mode)
+        assert least is not None  # checkpointing nothing is always a choice
+        least_ranges, min_peak = least
     if not nesting or mode != "non_reentrant":
         return (as_tree(least_ranges) if budget is None else None), min_peak
     found_nested = [item for item in nested_plans(chain, min_peak) if tree_depth(item[2]) > 1]
