@@ -100,6 +100,11 @@ class _Variant:
                 state.installed = self
             return base_class(module).forward(module, *args, **kwargs)
         assert self.program is not None
+        if not self.plan.segments:
+            # Nothing to checkpoint: the user's own forward runs the same ops without the
+            # generated code's per-node Python (an exported graph of a large model has
+            # thousands of aten calls).
+            return base_class(module).forward(module, *args, **kwargs)
         if self.flatten is not None:
             inputs = self.flatten(arguments)
         else:
