@@ -106,7 +106,10 @@ class Plan:
     estimated_peak_bytes: int
     """Estimated peak activation memory with this plan."""
     min_peak_bytes: int
-    """The smallest estimated peak the strategy can reach for this model and input size."""
+    """The smallest estimated peak the strategy can reach for this model and input size.
+    For ``"optimal"`` in non-reentrant mode nested segments are searched only when the budget
+    is below what one level of segments reaches (or is None): with a budget above it, this
+    is the least of single-level plans, and nesting may reach lower."""
     forward_flops: int
     """FLOPs of one forward pass."""
     recompute_flops: int
