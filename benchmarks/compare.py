@@ -100,17 +100,22 @@ def _alternatives(base: Blocks, compile_budgets: bool) -> list[tuple[str, nn.Mod
 
 
 def _saved_for_backward(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves for backward in one forward.
+    """Bytes of the distinct activation storages (not parameters, buffers or the input)
+    that autograd saves for backward in one forward.
 
     Used for torch.compile, whose compiled forward allocates outside the dispatcher where
     ``autockpt.measure`` cannot see it; what it saves still goes through the saved-tensor
     hooks. The peak is at least this much (plus the model output and backward's gradients).
     """
     sizes: dict[int, int] = {}
+    # Like autockpt.measure, count activations only: compiled code saves the weights too.
+    not_activations = {t.untyped_storage().data_ptr()
+                       for t in (*model.parameters(), *model.buffers(), x)}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        sizes[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in not_activations:
+            sizes[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     model.train()
