@@ -213,7 +213,7 @@ def nested_plans(chain: Chain, span: int) -> list[tuple[int, int, Tree]]:
         >>> nested_plans(chain, 200)
         [(96, 0, ())]
     """
-    import numpy as np  # a dependency of torch
+    import numpy as np  # a dependency of autockpt (pyproject.toml); imported when needed
 
     count = len(chain.stages)
     slot = max(1, math.ceil(span / _SLOTS))
