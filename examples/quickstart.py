@@ -3,8 +3,9 @@
 A ``nn.Sequential`` of 71 ``Linear(1000, 1000)`` + ``ReLU`` layers and a last
 ``Linear(1000, 100)``, batch 16. For each method it measures (not estimates) the peak
 activation memory of one forward and backward with ``autockpt.measure``, the median step
-time, and the backward FLOPs (``FlopCounterMode``) as a ratio to no checkpointing. Then it
-prints the plan autockpt chose for one of the budgets.
+time (timed round-robin across the methods), and the backward FLOPs (``FlopCounterMode``),
+both as a ratio to no checkpointing. Then it prints the plan autockpt chose for one of the
+budgets.
 
     python examples/quickstart.py            # about a minute on a 2-core CPU
     python examples/quickstart.py --repeat 3 # fewer timed steps
@@ -13,6 +14,8 @@ prints the plan autockpt chose for one of the budgets.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 from torch import nn
@@ -65,40 +68,43 @@ def main() -> None:
     methods: list[tuple[str, nn.Module]] = [("no checkpointing", net)]
     methods += [(f"checkpoint_sequential({n})", Sequential(net, n)) for n in (2, 5, 10)]
 
-    rows = []
-    results = {}
-
-    def run(name: str, model: nn.Module, plan: autockpt.Plan | None = None) -> None:
-        report = autockpt.measure(model, (x,), warmup=1, repeat=options.repeat)
-        results[name] = report
-        base = results["no checkpointing"]
-        flops = backward_flops(model, x)
-        results[name + "/flops"] = flops  # type: ignore[assignment]
-        base_flops = results["no checkpointing/flops"]
-        rows.append([
-            name,
-            format_bytes(report.peak_activation_bytes),
-            f"{report.step_seconds * 1000:.0f} ms",
-            f"{report.step_seconds / base.step_seconds:.2f}",
-            f"{flops / base_flops:.2f}",  # type: ignore[operator]
-            "" if plan is None else f"{len(plan.segments)} segments",
-        ])
-
+    peaks: dict[str, int] = {}
+    plans: dict[str, autockpt.Plan] = {}
     for name, model in methods:
-        run(name, model)
+        peaks[name] = autockpt.measure(model, (x,)).peak_activation_bytes
     # autockpt, asked for the memory each checkpoint_sequential run measured.
-    chosen = None
     for n in (2, 5, 10):
-        budget = results[f"checkpoint_sequential({n})"].peak_activation_bytes
-        ckpt = autockpt.apply(net, budget_mb=budget / 2**20, example_inputs=(x,))
-        plan = autockpt.plan_of(ckpt)
-        run(f"autockpt(budget={format_bytes(budget)})", ckpt, plan)
-        chosen = chosen or plan
+        budget = peaks[f"checkpoint_sequential({n})"]
+        name = f"autockpt(budget={format_bytes(budget)})"
+        methods.append((name, autockpt.apply(net, budget_mb=budget / 2**20, example_inputs=(x,))))
+        peaks[name] = autockpt.measure(methods[-1][1], (x,)).peak_activation_bytes
+        plans[name] = autockpt.plan_of(methods[-1][1])
     least = autockpt.apply(net, budget_mb=None, example_inputs=(x,))
-    run("autockpt(budget=None: least)", least, autockpt.plan_of(least))
+    methods.append(("autockpt(budget=None: least)", least))
+    peaks[methods[-1][0]] = autockpt.measure(least, (x,)).peak_activation_bytes
+    plans[methods[-1][0]] = autockpt.plan_of(least)
+
+    # Steps timed round-robin (a warm-up round, then one step of each method per round), so
+    # that a change in the machine's load falls on every method alike.
+    times: dict[str, list[float]] = {name: [] for name, _ in methods}
+    for round_index in range(options.repeat + 1):
+        for name, model in methods:
+            start = time.perf_counter()
+            model(x).sum().backward()
+            if round_index:
+                times[name].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    step = {name: statistics.median(values) for name, values in times.items()}
+    flops = {name: backward_flops(model, x) for name, model in methods}
+    base = "no checkpointing"
+    rows = [[name, format_bytes(peaks[name]), f"{step[name] * 1000:.0f} ms",
+             f"{step[name] / step[base]:.2f}", f"{flops[name] / flops[base]:.2f}",
+             f"{len(plans[name].segments)} segments" if name in plans else ""]
+            for name, _ in methods]
+    chosen = next(iter(plans.values()))
 
     print("72-layer MLP, batch 16, float32, one forward + backward (measured on "
-          f"{results['no checkpointing'].device})\n")
+          f"{x.device})\n")
     print(format_table(
         ["method", "peak activation", "step", "time ratio", "bwd FLOPs ratio", "plan"],
         rows,
