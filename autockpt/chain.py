@@ -58,7 +58,7 @@ import gc
 import math
 import operator
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -614,6 +614,31 @@ class _Model:
         lower += extra
         return max(lower + boundary, refwd + extra), after, lower
 
+    def peak(self, ranges: Ranges,
+             backward: Callable[[int, int, int, int], int] | None = None) -> int:
+        """The estimated peak with ``ranges`` checkpointed. ``backward(first, last, value,
+        held)``, when given, replaces a segment's peak in backward (``value``) knowing the
+        bytes ``held`` when its backward starts: nested segments price themselves there."""
+        starts = {a: b for a, b in ranges}
+        peak = held = 0
+        before = _PLAIN
+        t = 0
+        while t < self.count:
+            if t in starts:
+                b = starts[t]
+                inputs = self.segment_inputs(t, before)
+                for u in range(t, b + 1):
+                    peak = max(peak, self.segment_forward(t, u, held, inputs))
+                value, held, _ = self.segment(t, b, held, inputs)
+                if backward is not None:
+                    value = backward(t, b, value, held + self.base)
+                before, t = _CKPT, b + 1
+            else:
+                value, held = self.plain(t, before, held)
+                before, t = _PLAIN, t + 1
+            peak = max(peak, value)
+        return peak
+
     def segment_inputs(self, a: int, before: int) -> int:
         c = self.chain
         fresh = c.cross_next[a] + c.cross_none[a]
@@ -642,24 +667,7 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
         >>> estimate_peak(chain, ())   # 64 held + 8 output + 8 gradient + 16 working set
         96
     """
-    model = _Model(chain, mode)
-    starts = {a: b for a, b in ranges}
-    peak = held = 0
-    before = _PLAIN
-    t = 0
-    while t < model.count:
-        if t in starts:
-            b = starts[t]
-            inputs = model.segment_inputs(t, before)
-            for u in range(t, b + 1):
-                peak = max(peak, model.segment_forward(t, u, held, inputs))
-            value, held, _ = model.segment(t, b, held, inputs)
-            before, t = _CKPT, b + 1
-        else:
-            value, held = model.plain(t, before, held)
-            before, t = _PLAIN, t + 1
-        peak = max(peak, value)
-    return peak
+    return _Model(chain, mode).peak(ranges)
 
 
 def recompute_cost(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:
@@ -732,9 +740,21 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
         >>> optimal_ranges(chain, 200)
         ((), 96)
     """
+    model = _Model(chain, mode)
+    rest = _least_suffix_peaks(model)
     if budget is None:
-        budget = least_peak(chain, mode)  # then the cheapest plan that reaches it
-    return _solve(chain, budget, mode)
+        budget = int(rest[(0, _PLAIN)])  # the least peak, then the cheapest plan reaching it
+    with _gc_paused():
+        # A quick pass that keeps only a few entries per state finds a plan that fits,
+        # usually of near-least cost. Its cost bounds the exact pass: an entry that already
+        # costs more can never lead to the optimum (costs only add up), and dropping it
+        # changes nothing else (it dominates no cheaper entry). Same result, far smaller
+        # frontiers.
+        bound = None
+        sketch = _solve_frontiers(model, rest, budget, width=_SKETCH_WIDTH)
+        if sketch is not None:
+            bound = recompute_cost(chain, sketch[0], mode)
+        return _solve_frontiers(model, rest, budget, bound=bound)
 
 
 def _least_suffix_peaks(model: _Model) -> dict[tuple[int, int], float]:
@@ -799,32 +819,20 @@ _SKETCH_WIDTH = 8
 """Frontier entries per state kept by the quick first pass of a budgeted solve."""
 
 
-def _solve(chain: Chain, budget: int, mode: str) -> tuple[Ranges, int] | None:
-    with _gc_paused():
-        # A quick pass that keeps only a few entries per state finds a plan that fits,
-        # usually of near-least cost. Its cost bounds the exact pass: an entry that already
-        # costs more can never lead to the optimum (costs only add up), and dropping it
-        # changes nothing else (it dominates no cheaper entry). Same result, far smaller
-        # frontiers.
-        bound = None
-        sketch = _solve_frontiers(chain, budget, mode, width=_SKETCH_WIDTH)
-        if sketch is not None:
-            bound = recompute_cost(chain, sketch[0], mode)
-        return _solve_frontiers(chain, budget, mode, bound=bound)
-
-
-def _solve_frontiers(chain: Chain, budget: int, mode: str, *, width: int | None = None,
-                     bound: int | None = None) -> tuple[Ranges, int] | None:
-    """The dynamic programme. ``width`` keeps at most that many entries per state (evenly
-    spread over the frontier, a heuristic); ``bound`` drops entries whose cost exceeds it."""
-    model = _Model(chain, mode)
+def _solve_frontiers(model: _Model, rest: dict[tuple[int, int], float], limit: int, *,
+                     width: int | None = None, bound: int | None = None
+                     ) -> tuple[Ranges, int] | None:
+    """The dynamic programme under the budget ``limit``; ``rest`` is
+    :func:`_least_suffix_peaks` of ``model``. ``width`` keeps at most that many entries per
+    state (evenly spread over the frontier, a heuristic); ``bound`` drops entries whose cost
+    exceeds it."""
+    chain = model.chain
     count = model.count
-    limit = budget
     # frontier[(cut, before)] -> [(held, cost, path)]
     frontier: dict[tuple[int, int], list[_Entry]] = {(0, _PLAIN): [(0, 0, None)]}
     # An entry holding more than this at a cut cannot finish within the budget, whatever
     # comes after it: drop it before it costs a sort.
-    cap = {key: limit - rest for key, rest in _least_suffix_peaks(model).items()}
+    cap = {key: limit - least for key, least in rest.items()}
 
     def push(key: tuple[int, int], entries: list[_Entry]) -> None:
         if entries:
@@ -885,4 +893,4 @@ def _solve_frontiers(chain: Chain, budget: int, mode: str, *, width: int | None 
         return None
     _, _, path = min(finals, key=lambda e: (e[1], e[0]))
     ranges = _ranges(path)
-    return ranges, estimate_peak(chain, ranges, mode)
+    return ranges, model.peak(ranges)

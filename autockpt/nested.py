@@ -42,7 +42,8 @@ the cheapest one that fits is kept.
 from __future__ import annotations
 
 import math
-from autockpt.chain import _CKPT, _PLAIN, Chain, Ranges, _Model, estimate_peak, segment_cost
+
+from autockpt.chain import _CKPT, _PLAIN, Chain, Ranges, _Model, segment_cost
 
 __all__ = ["Tree", "as_tree", "flatten_tree", "tree_depth", "tree_cost", "estimate_tree_peak",
            "nested_plans"]
@@ -97,28 +98,14 @@ def estimate_tree_peak(chain: Chain, tree: Tree) -> int:
         >>> estimate_tree_peak(chain, ())
         96
     """
-    if all(not inner for _, _, inner in tree):
-        return estimate_peak(chain, tuple((a, b) for a, b, _ in tree), "non_reentrant")
     model = _Model(chain, "non_reentrant")
-    starts = {a: (b, inner) for a, b, inner in tree}
-    peak = held = 0
-    before = _PLAIN
-    t = 0
-    while t < model.count:
-        if t in starts:
-            b, inner = starts[t]
-            inputs = model.segment_inputs(t, before)
-            for u in range(t, b + 1):
-                peak = max(peak, model.segment_forward(t, u, held, inputs))
-            value, after, _ = model.segment(t, b, held, inputs)
-            if inner:
-                value = _nested_backward(model, t, b, inner, after + model.base)
-            held, before, t = after, _CKPT, b + 1
-        else:
-            value, held = model.plain(t, before, held)
-            before, t = _PLAIN, t + 1
-        peak = max(peak, value)
-    return peak
+    inner_of = {a: inner for a, _, inner in tree}
+
+    def backward(a: int, b: int, value: int, held: int) -> int:
+        inner = inner_of[a]
+        return _nested_backward(model, a, b, inner, held) if inner else value
+
+    return model.peak(tuple((a, b) for a, b, _ in tree), backward)
 
 
 def _nested_backward(model: _Model, a: int, b: int, inner: Tree, outside: int) -> int:
