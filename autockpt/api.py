@@ -17,6 +17,7 @@ from torch import nn
 
 from autockpt.capture import CAPTURES
 from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.loss import LossFn, check_loss_fn
 from autockpt.planner import MODES, STRATEGIES, Plan
 from autockpt.timing import COSTS
 from autockpt.runtime import ApplyConfig, is_checkpointed, make_any_plan, make_checkpointed
@@ -38,6 +39,10 @@ def apply(
     strategy: str = "optimal",
     capture: str = "auto",
     cost: str = "flops",
+    loss_fn: LossFn | str | None = None,
+    grad_accumulation: bool = False,
+    total_mb: float | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with activation memory within ``budget_mb``.
 
@@ -73,6 +78,21 @@ def apply(
             closer to real step time, but timings are noisy, so plans may differ from run to
             run). The ``"modules"`` rung has no graph to time and plans by FLOPs; the plan's
             ``cost_model`` says which was used.
+        loss_fn: the loss of your training step, ``loss_fn(output) -> scalar tensor`` (or
+            the name of a built-in one: ``"cross_entropy"``, ``"mse"``, ``"sum"``). It is
+            profiled with the model, so its saved tensors, its temporaries and the gradient
+            it sends into the output are in the budget; your own code still computes it.
+            Without it, a model that returns its own loss (``labels=``) is planned with that
+            loss, and any other with an output-sized gradient assumed for each output, which
+            a real loss makes at least (the plan's header says which).
+        grad_accumulation: plan for steps in which ``.grad`` is already allocated when
+            backward runs (gradient accumulation, ``zero_grad(set_to_none=False)``): each
+            weight gradient is then a temporary added into it, and the budget counts it.
+        total_mb: a budget for the whole device instead of ``budget_mb``: parameters,
+            gradients, optimizer state and inputs are taken off it, and activations get the
+            rest (the plan's header shows the breakdown).
+        optimizer: the optimizer whose state ``total_mb`` counts (Adam and AdamW two buffers
+            per parameter, SGD with momentum one, or what its state already holds).
 
     Example:
         >>> import torch, autockpt
@@ -95,6 +115,13 @@ def apply(
     _check_choice("strategy", strategy, tuple(STRATEGIES))
     _check_choice("capture", capture, CAPTURES)
     _check_choice("cost", cost, COSTS)
+    step = _check_step(budget_mb, loss_fn, grad_accumulation, total_mb, optimizer)
+    if plan is not None and (total_mb is not None or loss_fn is not None or grad_accumulation):
+        raise InvalidArgumentError(
+            "a plan already fixes the segments: loss_fn, grad_accumulation and total_mb "
+            "belong to autockpt.plan() when you make it",
+            fix="pass them to autockpt.plan(model, inputs, ...) and apply(model, plan=p) alone",
+        )
     if plan is not None and not isinstance(plan, Plan):
         raise InvalidArgumentError(
             f"plan must be an autockpt.Plan, got {type(plan).__name__}",
@@ -108,7 +135,7 @@ def apply(
     if plan is not None:
         mode = plan.mode  # a plan's memory estimate holds for the mode it was made for
     config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan,
-                         capture=capture, cost=cost)
+                         capture=capture, cost=cost, **step)
     # A transformed module can be applied again: the new one shares the same tree.
     transformed = make_checkpointed(model, config)
     if example_inputs is not None or example_kwargs is not None:
@@ -128,6 +155,10 @@ def plan(
     strategy: str = "optimal",
     capture: str = "auto",
     cost: str = "flops",
+    loss_fn: LossFn | str | None = None,
+    grad_accumulation: bool = False,
+    total_mb: float | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Plan:
     """Plan checkpoint segments for ``model`` at these inputs without changing anything.
 
@@ -142,7 +173,9 @@ def plan(
         >>> p.estimated_peak_bytes <= p.budget_bytes
         True
 
-    ``capture`` and ``cost`` are as for :func:`apply`.
+    ``capture``, ``cost``, ``loss_fn``, ``grad_accumulation``, ``total_mb`` and
+    ``optimizer`` are as for :func:`apply`. With ``total_mb`` a model built on the meta
+    device plans too, so whether a model fits a GPU, and how, is answered before renting one.
 
     Raises:
         InvalidArgumentError, TraceError, InfeasibleBudgetError: as for :func:`apply`.
@@ -153,6 +186,7 @@ def plan(
     _check_choice("strategy", strategy, tuple(STRATEGIES))
     _check_choice("capture", capture, CAPTURES)
     _check_choice("cost", cost, COSTS)
+    step = _check_step(budget_mb, loss_fn, grad_accumulation, total_mb, optimizer)
     if example_inputs is None and example_kwargs is None:
         raise InvalidArgumentError(
             "plan() needs example inputs: activation sizes depend on the input size",
@@ -160,9 +194,11 @@ def plan(
         )
     args, kwargs = split_inputs(example_inputs, example_kwargs)
 
+    config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy,
+                         capture=capture, cost=cost, **step)
+
     def run() -> Plan:
-        return make_any_plan(model, args, kwargs, budget_bytes, strategy=strategy, mode=mode,
-                             method=capture, cost=cost)
+        return make_any_plan(model, args, kwargs, config)
 
     return _with_context(model, args, kwargs, run)
 
@@ -226,21 +262,55 @@ def _wrapper_types() -> tuple[type, ...]:
     return tuple(types)
 
 
-def _budget_bytes(budget_mb: Any) -> int | None:
+def _budget_bytes(budget_mb: Any, name: str = "budget_mb") -> int | None:
     if budget_mb is None:
         return None
     if isinstance(budget_mb, bool) or not isinstance(budget_mb, Real):
         raise InvalidArgumentError(
-            f"budget_mb must be a number of MiB or None, got {budget_mb!r}",
-            fix="pass e.g. budget_mb=300 for 300 MiB, or None for the least memory reachable",
+            f"{name} must be a number of MiB or None, got {budget_mb!r}",
+            fix=f"pass e.g. {name}=300 for 300 MiB, or None for the least memory reachable",
         )
     value = float(budget_mb)
     if not math.isfinite(value) or value <= 0:
         raise InvalidArgumentError(
-            f"budget_mb must be a positive, finite number of MiB, got {budget_mb!r}",
-            fix="pass e.g. budget_mb=300 for 300 MiB, or None for the least memory reachable",
+            f"{name} must be a positive, finite number of MiB, got {budget_mb!r}",
+            fix=f"pass e.g. {name}=300 for 300 MiB, or None for the least memory reachable",
         )
     return max(1, int(value * MIB))
+
+
+def _check_step(budget_mb: Any, loss_fn: Any, grad_accumulation: Any, total_mb: Any,
+                optimizer: Any) -> dict[str, Any]:
+    """Validate what describes the training step; the matching :class:`ApplyConfig` fields."""
+    loss = check_loss_fn(loss_fn)
+    if not isinstance(grad_accumulation, bool):
+        raise InvalidArgumentError(
+            f"grad_accumulation must be True or False, got {grad_accumulation!r}",
+            fix="pass grad_accumulation=True when .grad is already allocated at backward",
+        )
+    total_bytes = None
+    if total_mb is not None:
+        if budget_mb is not None:
+            raise InvalidArgumentError(
+                f"pass either budget_mb ({budget_mb!r}, for activations) or total_mb "
+                f"({total_mb!r}, for the whole device), not both",
+                fix="keep total_mb to plan for the whole device, or budget_mb for activations",
+            )
+        total_bytes = _budget_bytes(total_mb, name="total_mb")
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgumentError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}",
+                fix="pass the optimizer you train with, e.g. torch.optim.AdamW(model.parameters())",
+            )
+        if total_mb is None:
+            raise InvalidArgumentError(
+                "optimizer= only matters with total_mb: its state is part of the device's "
+                "memory, not of the activation budget",
+                fix="pass total_mb=<your device's MiB> with it, or drop optimizer",
+            )
+    return dict(loss_fn=loss, grad_accumulation=grad_accumulation, total_bytes=total_bytes,
+                optimizer=optimizer)
 
 
 def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:

@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from autockpt.stats import NodeStat, Profile, node_cost
+from autockpt.stats import LOSS_OP, NodeStat, Profile, node_cost
 
 __all__ = ["Stage", "Chain", "Ranges", "build_chain", "estimate_peak", "recompute_cost",
            "segment_cost", "optimal_ranges", "least_peak"]
@@ -242,7 +242,7 @@ def _merge_aliases(profile: Profile, cuts: list[int]) -> list[int]:
     for st in profile.storages:
         allocates[st.producer] = True
     # The first inner cut separates the inputs from the graph: never join a stage to them.
-    fixed = {cuts[0], cuts[1] if len(cuts) > 1 else cuts[0], cuts[-1]}
+    fixed = {cuts[0], cuts[1] if len(cuts) > 1 else cuts[0], cuts[-1], *_loss_cut(profile)}
     return [c for k, c in enumerate(cuts) if c in fixed or any(allocates[c:cuts[k + 1]])]
 
 
@@ -256,6 +256,42 @@ def _merge_aliases(profile: Profile, cuts: list[int]) -> list[int]:
 # estimate a constant 2.3 MiB too high. Joined to the stage before it, each of them crosses
 # one cut and is held exactly as long as its reader needs it.
 
+def _join_gradless_gaps(profile: Profile, cuts: list[int]) -> list[int]:
+    """Drop the cuts between a storage nobody saves and its reader when only stages that
+    carry no gradient lie between them, which joins producer and reader into one stage.
+
+    See NOTE [ Joining over gradless gaps ].
+    """
+    nodes = profile.nodes
+    n = len(nodes)
+    stage_of = [0] * n
+    for s, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+        stage_of[lo:hi] = [s] * (hi - lo)
+    carries = [any(m.requires_grad for m in nodes[lo:hi]) and all(m.op != LOSS_OP
+                                                                  for m in nodes[lo:hi])
+               for lo, hi in zip(cuts, cuts[1:])]
+    drop: set[int] = set()
+    for st in profile.storages:
+        readers = [u for u in st.users if u < n - 1 and nodes[u].op != LOSS_OP]
+        if st.is_output or st.saved_by or not readers:
+            continue
+        p, r = stage_of[st.producer], stage_of[max(readers)]
+        if r > p + 1 and not any(carries[p + 1:r]):
+            drop.update(cuts[p + 1:r + 1])
+    fixed = {cuts[0], cuts[1] if len(cuts) > 1 else cuts[0], cuts[-1], *_loss_cut(profile)}
+    return [c for c in cuts if c not in drop or c in fixed]
+
+
+# NOTE [ Joining over gradless gaps ]
+# A storage read more than one stage after its producer is *long-lived* in the memory model:
+# held to the end of backward whatever the plan, because a segment starting between the two
+# would keep it as a checkpoint input. When nobody saves it and the stages between carry no
+# gradient, that is all pessimism: a language model's logits, read by a cross-entropy after
+# a few stages that only shift the labels, were held through the whole backward (16 MiB of a
+# 49 MiB step for a small GPT-2 given ``labels=``). No segment can start in a stage without
+# gradient, so joining the producer, the gap and the reader into one stage loses no useful
+# cut, and the storage is then freed at its last reader, as it is.
+
 MAX_STAGES = 64
 """Longer chains are coarsened to this many stages before planning (see :func:`_coarsen`)."""
 
@@ -267,7 +303,9 @@ def _coarsen(profile: Profile, cuts: list[int], max_stages: int) -> list[int]:
     The dynamic programme's time grows with the square of the chain's length; a plan rarely
     needs more than a few dozen segment boundaries to choose from.
     """
-    inner = [c for c in cuts if 0 < c < len(profile.nodes) - 1]
+    loss_cut = _loss_cut(profile)
+    max_stages -= len(loss_cut)  # the loss's stage is one of them
+    inner = [c for c in cuts if 0 < c < len(profile.nodes) - 1 and c not in loss_cut]
     if len(inner) < max_stages:
         return cuts
     nodes = profile.nodes
@@ -288,15 +326,28 @@ def _coarsen(profile: Profile, cuts: list[int], max_stages: int) -> list[int]:
         window = [c for c in inner if lo <= cumulative[c] < hi and (not kept or c > kept[-1])]
         if window:
             kept.append(min(window, key=lambda c: (crossing[c], abs(cumulative[c] - ideal), c)))
-    return sorted({cuts[0], cuts[-1], *kept})
+    return sorted({cuts[0], cuts[-1], *kept, *loss_cut})
 
 
-def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
-    """Split the graph at the candidate cuts and compute the numbers of the memory model."""
+def _loss_cut(profile: Profile) -> tuple[int, ...]:
+    """The cut before the loss node, which closes the stage the loss stands alone in (see
+    NOTE [ The loss node ] in :mod:`autockpt.profile`)."""
+    nodes = profile.nodes
+    return (len(nodes) - 2,) if len(nodes) >= 2 and nodes[-2].op == LOSS_OP else ()
+
+
+def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
+                grad_accumulation: bool = False) -> Chain:
+    """Split the graph at the candidate cuts and compute the numbers of the memory model.
+
+    ``grad_accumulation``: the parameters' ``.grad`` exists when backward runs, so every
+    weight gradient is a temporary added into it (``NodeStat.accumulate_backward_bytes``).
+    """
     nodes = profile.nodes
     n = len(nodes)
-    cuts = sorted({0, n - 1, *(c for c in _candidate_cuts(nodes) if c > 0)})
+    cuts = sorted({0, n - 1, *(c for c in _candidate_cuts(nodes) if c > 0), *_loss_cut(profile)})
     cuts = _merge_aliases(profile, cuts)
+    cuts = _join_gradless_gaps(profile, cuts)
     cuts = _coarsen(profile, cuts, max_stages)
     count = len(cuts) - 1
     stage_of = [0] * n
@@ -309,9 +360,11 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
         flops = sum(m.flops for m in members)
         tail_cost, tail_flops, stop = _tails(profile, lo, hi, saves_own, saves_any)
         stops.append(stop)
+        # The loss is the user's code, never a segment: its stage carries no gradient here.
         stages.append(Stage(start=lo, end=hi, flops=flops,
                             cost=sum(node_cost(m) for m in members),
-                            carries_grad=any(m.requires_grad for m in members),
+                            carries_grad=any(m.requires_grad for m in members)
+                            and all(m.op != LOSS_OP for m in members),
                             tail_cost=tail_cost, tail_flops=tail_flops))
     stage_of[n - 1] = count
     internal = [0] * count
@@ -366,7 +419,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
             held_plain[p].append(
                 (st.producer, stages[p].end - 1 if p in savers else end_in_stage, size))
             held_ckpt[p].append((st.producer, end_in_stage, size))
-    grads_at, entry = _backward_grads(nodes, [stage.end for stage in stages])
+    grads_at, entry = _backward_grads(nodes, [stage.end for stage in stages],
+                                      grad_accumulation=grad_accumulation)
     peak = [0] * count
     for s, stage in enumerate(stages):
         # Walk the stage backwards: a saved storage is alive until the first node that saved
@@ -399,8 +453,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES) -> Chain:
     )
 
 
-def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
-                    ) -> tuple[list[int | None], list[int]]:
+def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,
+                    grad_accumulation: bool = False) -> tuple[list[int | None], list[int]]:
     """Replay the backward over the graph, node by node in reverse, counting the gradient
     bytes alive (see NOTE [ Gradients in backward ]).
 
@@ -452,7 +506,9 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
         grad_of[value] = total
         return size[total]
 
-    # The loss (the sum the measure uses) hands the outputs an expanded scalar: no bytes.
+    # The backward starts from the loss's scalar gradient (the loss node's); a profile
+    # without a loss node starts from a sum's, which hands each output an expanded scalar:
+    # no bytes either way.
     for i in nodes[n - 1].inputs if n else ():
         if carries[i]:
             receive(i, new(0))
@@ -475,6 +531,8 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int]
         targets = [(k, v) for k, v in enumerate(reads[u]) if carries[v]]
         if probed:
             work = node.backward_bytes
+            if grad_accumulation and node.accumulate_backward_bytes is not None:
+                work = node.accumulate_backward_bytes
         else:  # not probed: a new gradient for every input
             work = sum(nodes[v].grad_bytes for _, v in targets)
         peak = alive + work

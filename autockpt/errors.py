@@ -21,6 +21,7 @@ __all__ = [
     "TraceError",
     "InfeasibleBudgetError",
     "CheckpointError",
+    "BudgetWarning",
 ]
 
 
@@ -78,14 +79,22 @@ class InfeasibleBudgetError(AutockptError):
             this model and input size; a budget at or above it is feasible.
     """
 
-    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int) -> None:
+    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int,
+                 fix: str | None = None) -> None:
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
-        fix = (
-            f"pass budget_mb={_ceil_mib(min_feasible_bytes)} or more, "
-            "use a smaller batch, or pass budget_mb=None for the least memory reachable"
-        )
+        if fix is None:
+            fix = (
+                f"pass budget_mb={_ceil_mib(min_feasible_bytes)} or more, "
+                "use a smaller batch, or pass budget_mb=None for the least memory reachable"
+            )
         super().__init__(message, fix=fix)
+
+
+class BudgetWarning(UserWarning):
+    """A training step does not match what its plan was made for (for example ``.grad``
+    already allocated, as in gradient accumulation, in a plan made for fresh gradients), so
+    the budget may not hold."""
 
 
 class CheckpointError(AutockptError):

@@ -86,7 +86,7 @@ from torch.utils.checkpoint import checkpoint
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs, flop_counter
-from autockpt.stats import NodeStat, Profile, StorageStat
+from autockpt.stats import NodeStat, Profile, StorageStat, assume_loss
 from autockpt.trace import base_class, generated_subclass, shallow_view
 
 __all__ = [
@@ -771,7 +771,7 @@ def _chain_profile(session: _Session, chain: list[ModuleCall], output: Any,
 
 
 def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str = "optimal",
-                 mode: str = "non_reentrant") -> Plan:
+                 mode: str = "non_reentrant", grad_accumulation: bool = False) -> Plan:
     """Plan which blocks of ``prof`` to checkpoint under ``budget_bytes``, with the planner
     of traced graphs (:func:`autockpt.planner.make_plan`) run on the chain's profile.
 
@@ -805,8 +805,10 @@ def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str
             extra = 2 * handed[index] + prof.call(prof.blocks[k]).input_bytes
             nodes[index] = replace(nodes[index], work_bytes=nodes[index].work_bytes + extra)
         stats = replace(stats, nodes=tuple(nodes))
+    # Without a graph the loss cannot run with the model: price what any loss sends back.
+    stats = assume_loss(stats)
     plan = make_plan(stats, budget_bytes, strategy=strategy, mode=mode, model=prof.model,
-                     nesting=False)
+                     nesting=False, grad_accumulation=grad_accumulation)
     nodes = prof.profile.nodes
     position = {node: k for k, node in enumerate(prof.block_nodes)}
     segments = []
@@ -860,7 +862,8 @@ def blocks_of_plan(prof: ModuleProfile, plan: Plan) -> tuple[str, ...]:
 
 def build(module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
           *, budget_bytes: int | None, mode: str = "non_reentrant",
-          strategy: str = "optimal") -> tuple[Plan, ModuleProfile]:
+          strategy: str = "optimal", grad_accumulation: bool = False
+          ) -> tuple[Plan, ModuleProfile]:
     """Profile ``module`` at these inputs and plan its blocks: :func:`profile_modules` then
     :func:`plan_modules`. ``module`` is left as it was.
 
@@ -876,7 +879,8 @@ def build(module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] 
     if mode not in MODES:
         raise InvalidArgumentError(f"unknown mode {mode!r}", fix=f"use one of: {', '.join(MODES)}")
     prof = profile_modules(module, args, kwargs)
-    return plan_modules(prof, budget_bytes, strategy=strategy, mode=mode), prof
+    return plan_modules(prof, budget_bytes, strategy=strategy, mode=mode,
+                        grad_accumulation=grad_accumulation), prof
 
 
 # --------------------------------------------------------------------------- running

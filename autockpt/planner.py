@@ -26,11 +26,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from autockpt.budget import DeviceBudget
 from autockpt.chain import (Chain, Ranges, build_chain, estimate_peak, least_peak, optimal_ranges,
                             recompute_cost)
 from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
 from autockpt.nested import Tree, as_tree, estimate_tree_peak, flatten_tree, nested_plans, tree_depth
-from autockpt.stats import NodeStat, Profile
+from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile
 
 __all__ = ["Segment", "Plan", "make_plan", "STRATEGIES", "MODES", "BUDGET_SLACK"]
 
@@ -131,6 +132,15 @@ class Plan:
     ``"modules"`` (module-level planning with hooks); see :mod:`autockpt.capture`."""
     capture_reason: str = ""
     """Why the earlier ways of capturing were not used (empty when torch.fx worked)."""
+    loss: LossStat | None = None
+    """The loss the plan priced: the user's ``loss_fn``, the model's own loss, or (neither
+    given) an assumed output-sized gradient; ``None`` for a plan made without one (the
+    ``"modules"`` rung prices an assumed gradient too, and says so)."""
+    grad_accumulation: bool = False
+    """Whether the plan holds for steps in which ``.grad`` is already allocated (gradient
+    accumulation), counting the weight-gradient temporaries."""
+    device: DeviceBudget | None = None
+    """With ``total_mb``: the whole-device budget and what takes it before activations."""
     cost_model: str = "flops"
     """What the recompute cost the segments were chosen by measures: ``"flops"`` (FLOPs plus
     bytes written, from the fake-tensor profile; the same plan every time) or ``"profile"``
@@ -311,14 +321,16 @@ def make_plan(
     mode: str = "non_reentrant",
     model: str = "",
     nesting: bool = True,
+    grad_accumulation: bool = False,
 ) -> Plan:
     """Plan checkpoint segments for ``profile`` under ``budget_bytes``.
 
     ``nesting=False`` keeps to one level of segments (the module-level rung, which installs
-    checkpoints on whole submodules, cannot nest them).
+    checkpoints on whole submodules, cannot nest them). ``grad_accumulation=True`` prices
+    steps in which the parameters' ``.grad`` already exists.
 
     Example:
-        >>> from autockpt.stats import NodeStat, Profile, StorageStat
+        >>> from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
         >>> plan = make_plan(Profile(nodes=(), storages=(), input_signature=""), None)
         Traceback (most recent call last):
         ...
@@ -337,7 +349,7 @@ def make_plan(
         raise InvalidArgumentError(f"unknown mode {mode!r}", fix=f"use one of: {', '.join(MODES)}")
     if len(profile.nodes) < 2:
         raise InvalidArgumentError("the profile has no nodes to plan")
-    chain = build_chain(profile)
+    chain = build_chain(profile, grad_accumulation=grad_accumulation)
     baseline = estimate_peak(chain, (), mode)
     tree, min_peak = STRATEGIES[strategy](chain, budget_bytes, mode, nesting)
     if budget_bytes is not None and baseline <= budget_bytes and strategy != "sqrt":
@@ -375,10 +387,12 @@ def make_plan(
         min_peak_bytes=min(min_peak, estimated),
         forward_flops=profile.forward_flops,
         recompute_flops=sum(s.recompute_flops for s in segments),
-        node_count=len(profile.nodes),
+        node_count=profile.graph_node_count,
         segments=segments,
         skipped=skipped,
         notes=tuple(notes),
+        loss=profile.loss,
+        grad_accumulation=grad_accumulation,
     )
 
 
@@ -440,7 +454,8 @@ def _describe(
         u = t
         while u + 1 < len(stages) and not covered[u + 1] and stages[u + 1].carries_grad == grad:
             u += 1
-        members = nodes[stages[t].start : stages[u].end]
+        # The loss node is the user's code, described in the plan's header, not a row.
+        members = [m for m in nodes[stages[t].start : stages[u].end] if m.op != LOSS_OP]
         if any(m.op not in ("placeholder", "get_attr") for m in members):
             trailing = not any(s.carries_grad for s in stages[u + 1 :])
             if not grad:

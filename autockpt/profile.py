@@ -33,7 +33,8 @@ from torch.utils import flop_counter as flop_formulas
 from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import InvalidArgumentError
-from autockpt.stats import NodeStat, Profile, StorageStat
+from autockpt.loss import LossFn, call_loss, inner_loss
+from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
 from autockpt.trace import TracedModel
 
 __all__ = ["profile", "describe_inputs", "flop_counter"]
@@ -137,6 +138,7 @@ class _OpWatcher(TorchDispatchMode):
         for t in _unannotated_writes(func, args, kwargs):
             self.written.add(_storage_key(t))
         out = func(*args, **kwargs)
+        _widen_reduced_loss(func, args, kwargs, out)
         for t in _tensors(out):
             if not self._is_old(t):
                 self._note_output(t)
@@ -144,6 +146,39 @@ class _OpWatcher(TorchDispatchMode):
 
     def _is_old(self, tensor: torch.Tensor) -> bool:
         return _storage_key(tensor) in self.old_keys
+
+
+def _reduced_losses() -> tuple[Any, ...]:
+    aten = torch.ops.aten
+    return tuple(getattr(aten, name).default for name in
+                 ("mse_loss", "smooth_l1_loss", "binary_cross_entropy")
+                 if hasattr(aten, name))
+
+
+_REDUCED_LOSSES = _reduced_losses()
+"""Losses whose CPU kernel returns the reduced loss as a view of the element-wise one."""
+
+
+def _widen_reduced_loss(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+                        ) -> None:
+    """Give a fake result the storage the real kernel gives it.
+
+    The CPU kernels of ``mse_loss``, ``smooth_l1_loss`` and ``binary_cross_entropy`` compute
+    the element-wise loss into a buffer the size of their input and reduce it into its first
+    element: the scalar they return keeps that whole buffer alive for as long as the caller
+    keeps the loss (through backward). Fake kernels make a 4-byte storage.
+    """
+    if func not in _REDUCED_LOSSES or not isinstance(out, torch.Tensor) or out.dim() != 0:
+        return
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor) or first.device.type != "cpu":
+        return
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    if reduction == 0:  # "none" returns the element-wise loss itself
+        return
+    nbytes = first.numel() * out.element_size()
+    if out.untyped_storage().nbytes() < nbytes:
+        out.untyped_storage().resize_(nbytes)
 
 
 _RUNNING_STATS = ("running_mean", "running_var")
@@ -222,11 +257,15 @@ def _output_kind(node: fx.Node, value: Any) -> str:
     return "container" if _tensors(value) else "constant"
 
 
-def profile(traced: TracedModel, inputs: dict[str, Any]) -> Profile:
-    """Run the traced graph on fake tensors and measure each node.
+def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | None = None
+            ) -> Profile:
+    """Run the traced graph on fake tensors and measure each node, and the loss of the step.
 
     ``inputs`` maps the forward's parameter names to the example values (real or fake tensors,
-    or Python values); only their shapes, dtypes and ``requires_grad`` matter.
+    or Python values); only their shapes, dtypes and ``requires_grad`` matter. ``loss_fn`` is
+    the user's loss, run on the fake output after the graph; without it the profile takes the
+    model's own loss when its output holds one, else assumes an output-sized gradient for each
+    floating output (see NOTE [ The loss node ]).
 
     Example:
         >>> import torch
@@ -234,8 +273,10 @@ def profile(traced: TracedModel, inputs: dict[str, Any]) -> Profile:
         >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
         >>> x = torch.randn(4, 8)
         >>> prof = profile(trace(net, (x,)), {"input": x})
-        >>> [n.output_bytes for n in prof.nodes]
-        [0, 128, 128, 0]
+        >>> [(n.op, n.output_bytes) for n in prof.nodes][1:]
+        [('call_module', 128), ('call_module', 128), ('loss', 0), ('output', 0)]
+        >>> prof.loss.kind, prof.loss.grad_bytes
+        ('assumed', 128)
     """
     gm = traced.graph_module
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -260,11 +301,29 @@ def profile(traced: TracedModel, inputs: dict[str, Any]) -> Profile:
 
     runner = _ProfileRunner(gm, param_keys, input_keys, buffer_names)
     runner.real_state = dict(named)
+    runner.loss_fn = loss_fn
+    runner.unflatten = traced.unflatten
     with fake_mode:
         torch.func.functional_call(runner, {f"gm.{k}": v for k, v in fake_state.items()},
                                    tuple(values_in), strict=False)
     description = describe_inputs((), {n: inputs[n] for n in traced.spec.param_names})
     return runner.result(description)
+
+
+# NOTE [ The loss node ]
+# The step users run is ``loss_fn(model(x)).backward()``: the loss's saved tensors (the
+# log-softmax of a cross-entropy), its temporaries and the gradient it sends into the output
+# are part of the peak, and for a language model they are the largest tensors of the step. So
+# the profile ends with one more node, op ``"loss"``, between the graph's last node and its
+# output node: the user's ``loss_fn`` run on the fake output and probed like any node. It is
+# never part of a segment (its stage is closed by a cut of its own and marked as carrying no
+# gradient) and never rewritten: the user's code still computes the loss. Which outputs stay
+# alive through backward follows the user's code: with ``loss_fn`` (or nothing) the caller
+# holds the output, ``out = model(x); loss_fn(out).backward()``; a model that returns its own
+# loss is trained as ``model(**batch).loss.backward()``, so only the loss is held and the
+# logits die at their last reader. Without ``loss_fn`` and without a loss of its own, the node
+# hands an output-sized gradient to every floating output that requires grad, which any real
+# loss does at least (NOTE [ The default loss ]).
 
 
 class _ProfileRunner(torch.nn.Module):
@@ -288,6 +347,9 @@ class _ProfileRunner(torch.nn.Module):
         # model repeat the same ops on the same shapes: one probe per distinct call.
         self._probes: dict[tuple[Any, ...], tuple[int, tuple[int, ...]] | None] = {}
         self._storages: list[dict[str, Any]] = []
+        self.loss_fn: LossFn | None = None
+        self.unflatten: Any = None
+        self.loss: LossStat | None = None
 
     def forward(self, *values_in: Any) -> None:
         gm = self.gm
@@ -326,10 +388,14 @@ class _ProfileRunner(torch.nn.Module):
         watcher = _OpWatcher(old_keys=set(self._param_keys) | set(self._input_keys))
         with counter, watcher, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             for index, node in enumerate(nodes):
+                if node.op == "output":
+                    index = self._loss_node(node, index, interpreter, position, counter,
+                                            watcher, saved_now, own, storage_index,
+                                            value_storages)
                 flops_before = counter.get_total_flops()
                 watcher.reset()
                 saved_now.clear()
-                input_nodes = node.all_input_nodes
+                input_nodes = node.all_input_nodes if node.op != "output" else []
                 ordered_inputs = sorted(input_nodes, key=position.__getitem__)
                 if node.op == "placeholder":
                     value = next(args_iter)
@@ -360,19 +426,23 @@ class _ProfileRunner(torch.nn.Module):
                 random = watcher.random  # before the probe resets the watcher
                 probe_key = _probe_key(interpreter, node, storage_index)
                 if probe_key is not None and probe_key in self._probes:
-                    backward = self._probes[probe_key]
+                    backward, accumulate = self._probes[probe_key]
                 else:
                     with _modules_untracked(counter):
-                        backward = _probe_backward(interpreter, node, ordered_inputs,
-                                                   storage_index, watcher, saved_now)
+                        probed = _probe_backward(interpreter, node, ordered_inputs,
+                                                 storage_index, watcher, saved_now)
                         with_params = _probe_backward(interpreter, node, ordered_inputs,
                                                       storage_index, watcher, saved_now,
                                                       with_params=True)
-                    if backward is not None and with_params is not None:
-                        # See NOTE [ Temporaries of parameter gradients ].
-                        backward = (max(backward[0], with_params[0]), backward[1])
+                    backward = accumulate = None
+                    if probed is not None:
+                        backward, accumulate = (probed[0], probed[1]), probed[0]
+                        if with_params is not None:
+                            # See NOTE [ Temporaries of parameter gradients ].
+                            backward = (max(probed[0], with_params[0]), probed[1])
+                            accumulate = max(probed[0], with_params[2])
                     if probe_key is not None:
-                        self._probes[probe_key] = backward
+                        self._probes[probe_key] = (backward, accumulate)
                 out_storages: list[int] = []
                 output_bytes = 0
                 if node.op not in ("output", "get_attr"):
@@ -417,7 +487,8 @@ class _ProfileRunner(torch.nn.Module):
                     op=node.op,
                     target=_target_name(node),
                     module_path=_module_path(node),
-                    inputs=tuple(sorted(position[i] for i in input_nodes)),
+                    inputs=(tuple(sorted(position[i] for i in input_nodes))
+                            if node.op != "output" else (index - 1,)),
                     users=tuple(sorted(position[u] for u in node.users)),
                     output_kind=_output_kind(node, value),
                     requires_grad=any(t.requires_grad for t in _tensors(value)),
@@ -431,9 +502,102 @@ class _ProfileRunner(torch.nn.Module):
                     backward_bytes=backward[0] if backward else 0,
                     input_grad_bytes=backward[1] if backward else (),
                     grad_bytes=_grad_size(value),
+                    accumulate_backward_bytes=(accumulate if backward and accumulate != backward[0]
+                                               else None),
                 )
                 node.meta["autockpt"] = stat
                 self._stats.append(stat)
+
+    def _loss_node(self, node: fx.Node, index: int, interpreter: fx.Interpreter,
+                   position: dict[fx.Node, int], counter: FlopCounterMode, watcher: _OpWatcher,
+                   saved_now: list[torch.Tensor], own: Any, storage_index: dict[int, int],
+                   value_storages: dict[fx.Node, list[int]]) -> int:
+        """Add the loss node at ``index`` (NOTE [ The loss node ]); return the output node's
+        position, one after it."""
+        env = interpreter.env
+        producers = sorted(node.all_input_nodes, key=position.__getitem__)
+        storages = self._storages
+
+        def structure() -> Any:
+            flat = interpreter.fetch_args_kwargs_from_env(node)[0][0]
+            return self.unflatten(flat) if self.unflatten is not None else flat
+
+        def slots_of(nodes: list[fx.Node]) -> list[int]:
+            return [slot for i in nodes for slot in value_storages.get(i, ())]
+
+        output = structure()
+        own_loss = inner_loss(output) if self.loss_fn is None else None
+        flops = work = output_bytes = grad_size = 0
+        random = False
+        backward: tuple[int, tuple[int, ...], int] | None = None
+        if self.loss_fn is None and own_loss is None:
+            kind, name = "assumed", "an output-sized gradient"
+            inputs = [i for i in producers if _carries_float_grad(env.get(i))]
+            grads = tuple(_grad_size(env.get(i)) for i in inputs)
+            backward = (sum(grads), grads, sum(grads))
+            held = slots_of(producers)
+        elif own_loss is not None:
+            kind, name = "inner", "the model's own loss (output.loss)"
+            key = _storage_key(own_loss)
+            inputs = [i for i in producers
+                      if any(_storage_key(t) == key for t in _tensors(env.get(i)))][:1]
+            backward = (0, (0,) * len(inputs), 0)  # the loss's own gradient, passed through
+            grad_size = _grad_size(own_loss)
+            held = [storage_index[key]] if key in storage_index else []
+        else:
+            kind = "loss_fn"
+            name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
+            inputs = producers
+            fn = self.loss_fn
+            watcher.reset()
+            saved_now.clear()
+            before = counter.get_total_flops()
+            value = call_loss(fn, output, "the model")
+            flops = int(counter.get_total_flops() - before)
+            work = watcher.peak_bytes
+            random = watcher.random
+            watcher.old_keys.update(_storage_key(t) for t in [value, *saved_now])
+            saved = list(saved_now)
+            with _modules_untracked(counter):
+                backward = _probe_backward(interpreter, node, inputs, storage_index, watcher,
+                                           saved_now, run=lambda: fn(structure()))
+            key = _storage_key(value)
+            is_new = key not in storage_index
+            slot = own(key, value, index)
+            if slot is not None:
+                output_bytes = storages[slot]["size_bytes"] if is_new else 0
+                storages[slot]["is_output"] = True
+                storages[slot]["users"].add(index + 1)
+            for t in saved:
+                saved_slot = own(_storage_key(t), t, index)
+                if saved_slot is not None:
+                    storages[saved_slot]["saved_by"].add(index)
+            grad_size = _grad_size(value)
+            held = slots_of(producers)
+        for slot in slots_of(inputs):
+            storages[slot]["users"].add(index)
+        for slot in held:
+            # The caller holds these through backward (NOTE [ The loss node ]).
+            storages[slot]["is_output"] = True
+            storages[slot]["users"].add(index + 1)
+        saved_bytes = sum(st["size_bytes"] for st in storages
+                          if st["producer"] == index and index in st["saved_by"])
+        handed = backward[1] if backward is not None else ()
+        stat = NodeStat(
+            index=index, name="loss", op=LOSS_OP, target=name, module_path="",
+            inputs=tuple(position[i] for i in inputs), users=(index + 1,),
+            output_kind="tensor", requires_grad=True, flops=flops, output_bytes=output_bytes,
+            work_bytes=max(work, output_bytes), random=random, trainable=False,
+            mutated_inputs=(), mutated_buffers=(),
+            backward_bytes=backward[0] if backward is not None else sum(handed),
+            input_grad_bytes=handed if backward is not None else (),
+            grad_bytes=grad_size,
+        )
+        self._stats.append(stat)
+        self._param_reads.append({})
+        self.loss = LossStat(kind=kind, name=name, saved_bytes=saved_bytes,
+                             grad_bytes=sum(handed), work_bytes=stat.work_bytes)
+        return index + 1
 
     def _run_module(self, interpreter: fx.Interpreter, node: fx.Node,
                     saved_now: list[torch.Tensor]) -> Any:
@@ -471,7 +635,8 @@ class _ProfileRunner(torch.nn.Module):
             )
             for s in self._storages
         )
-        return Profile(nodes=tuple(self._stats), storages=storages, input_signature=description)
+        return Profile(nodes=tuple(self._stats), storages=storages, input_signature=description,
+                       loss=self.loss)
 
 
 # NOTE [ Leaves that need real values ]
@@ -549,6 +714,10 @@ def _run_real(
         return value
 
     return tree_map(to_fake, out)
+def _carries_float_grad(value: Any) -> bool:
+    return any(t.is_floating_point() and t.requires_grad for t in _tensors(value))
+
+
 def _grad_size(value: Any) -> int:
     """Bytes of the gradients of the tensors in ``value`` that require grad."""
     seen: set[int] = set()
@@ -633,19 +802,22 @@ def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[i
 
 def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.Node],
                     storage_index: dict[int, int], watcher: _OpWatcher,
-                    saved_now: list[torch.Tensor], *, with_params: bool = False
-                    ) -> tuple[int, tuple[int, ...]] | None:
+                    saved_now: list[torch.Tensor], *, with_params: bool = False,
+                    run: Any = None) -> tuple[int, tuple[int, ...], int] | None:
     """Run one node again on fake leaf copies of the activations it reads, then its backward
     from a fresh gradient of its output (see NOTE [ Gradients in backward ] in
     :mod:`autockpt.chain`).
 
     Returns the most new bytes alive at once in that backward, less the bytes the node saved
-    that the backward has already freed (the internals of a leaf module are freed op by op),
-    and per input the bytes of new storage handed on as its gradient. None when nothing is
-    differentiated, or when the node cannot run so on fake tensors (the chain then falls back
-    to the inputs' sizes).
+    that the backward has already freed (the internals of a leaf module are freed op by op)
+    and less the gradients of parameters that become their ``.grad``; per input the bytes of
+    new storage handed on as its gradient; and the same peak with those parameter gradients
+    counted (when ``.grad`` already exists they are temporaries added into it). None when
+    nothing is differentiated, or when the node cannot run so on fake tensors (the chain then
+    falls back to the inputs' sizes). ``run``, when given, computes the node's value from the
+    environment instead of the node itself (the loss node).
     """
-    if node.op in ("placeholder", "output", "get_attr"):
+    if run is None and node.op in ("placeholder", "output", "get_attr"):
         return None
     env = interpreter.env
     originals = {i: env[i] for i in inputs if i in env}
@@ -682,7 +854,7 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
     mark = len(saved_now)
     try:
         env.update(substituted)
-        out = interpreter.run_node(node)
+        out = interpreter.run_node(node) if run is None else run()
     except Exception:  # noqa: BLE001 - cannot run twice on fake tensors: use the fallback
         return None
     finally:
@@ -730,7 +902,7 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
         if grad is not None and _storage_key(grad) not in seen and _same_layout(grad, param):
             seen.add(_storage_key(grad))
             param_bytes += grad.untyped_storage().nbytes()
-    return max(watcher.peak_bytes - param_bytes, 0), tuple(per_input)
+    return max(watcher.peak_bytes - param_bytes, 0), tuple(per_input), watcher.peak_bytes
 
 
 def _same_layout(grad: torch.Tensor, param: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from autockpt.planner import Plan, Segment
 
 __all__ = ["PLAN_COLUMNS", "PLAN_COLUMNS_RIGHT", "format_findings", "format_plan", "format_table",
+           "loss_summary",
            "plan_rows", "plan_summary", "span_label"]
 
 
@@ -88,6 +89,7 @@ def plan_summary(plan: Plan) -> list[str]:
         f"  segments        {len(plan.segments)} checkpointed{nested}, "
         f"{len(plan.skipped)} left alone",
     ]
+    header.extend(_step_lines(plan))
     if plan.cost_model != "flops":
         # Only worth a line when it differs from the default: timed plans are not reproducible.
         header.append(f"  cost model      {plan.cost_model} (node times measured on the device)")
@@ -97,6 +99,47 @@ def plan_summary(plan: Plan) -> list[str]:
         if plan.capture_reason:
             header.append(f"    because {plan.capture_reason}")
     return header + [f"  note: {note}" for note in plan.notes]
+
+
+def loss_summary(plan: Plan) -> str:
+    """What a plan priced as the loss of the step, in one line.
+
+    Example:
+        >>> import torch, autockpt
+        >>> net = torch.nn.Linear(64, 10)
+        >>> loss_summary(autockpt.plan(net, (torch.randn(8, 64),)))
+        'not given, assumed an output-sized gradient (320 B); pass loss_fn'
+    """
+    loss = plan.loss
+    if loss is None:
+        return "not priced"
+    if loss.kind == "assumed":
+        return (f"not given, assumed an output-sized gradient ({format_bytes(loss.grad_bytes)});"
+                " pass loss_fn")
+    if loss.kind == "inner":
+        return "the model's own (output.loss); the rest of the output is dropped before backward"
+    return (f"loss_fn {loss.name}: saves {format_bytes(loss.saved_bytes)}, sends "
+            f"{format_bytes(loss.grad_bytes)} of gradient into the output")
+
+
+def _step_lines(plan: Plan) -> list[str]:
+    """Header lines on the step the plan holds for: its loss, accumulation, the device."""
+    lines = [f"  loss            {loss_summary(plan)}"]
+    if plan.grad_accumulation:
+        lines.append("  gradients       accumulated: .grad exists at backward, weight-gradient "
+                     "temporaries counted")
+    if plan.device is not None:
+        device = plan.device
+        lines.append(f"  whole device    {format_bytes(device.total_bytes)}: parameters "
+                     f"{format_bytes(device.parameter_bytes)}, gradients "
+                     f"{format_bytes(device.gradient_bytes)}, {device.optimizer} state "
+                     f"{format_bytes(device.optimizer_state_bytes)}, inputs "
+                     f"{format_bytes(device.input_bytes)}; activations get "
+                     f"{format_bytes(device.activation_budget_bytes)}")
+        if device.optimizer_step_bytes:
+            lines.append(f"    {device.optimizer}.step() temporaries "
+                         f"{format_bytes(device.optimizer_step_bytes)} (after backward)")
+    return lines
 
 
 def plan_rows(plan: Plan) -> list[tuple[Segment, list[str]]]:

@@ -21,9 +21,11 @@ only asked for in segments where the profiler saw an op that consumes the RNG.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,8 +35,12 @@ from torch.utils.checkpoint import checkpoint
 
 from autockpt import modules
 from autockpt.capture import NoGraph, capture
-from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.budget import DeviceBudget, device_budget
+from autockpt.errors import AutockptError, BudgetWarning, InfeasibleBudgetError, InvalidArgumentError
+from autockpt.loss import LossFn
 from autockpt.planner import Plan, make_plan
+from autockpt.stats import LOSS_OP
+from autockpt.units import format_bytes
 from autockpt.profile import profile
 from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
 from autockpt.timing import time_nodes
@@ -72,6 +78,16 @@ class ApplyConfig:
     """How to capture the forward (see :data:`autockpt.capture.CAPTURES`)."""
     cost: str = "flops"
     """The recompute cost model (see :data:`autockpt.timing.COSTS`)."""
+    loss_fn: LossFn | None = None
+    """The user's loss, priced with the model (NOTE [ The loss node ] in
+    :mod:`autockpt.profile`); ``None``: the default (NOTE [ The default loss ])."""
+    grad_accumulation: bool = False
+    """Plan for steps in which the parameters' ``.grad`` already exists."""
+    total_bytes: int | None = None
+    """A budget for the whole device; the activation budget is what the step's fixed memory
+    leaves of it (:func:`autockpt.budget.device_budget`)."""
+    optimizer: Any = None
+    """The optimizer whose state ``total_bytes`` counts."""
 
 
 @dataclass
@@ -122,13 +138,17 @@ class RuntimeState:
         self.by_id: dict[int, _Variant] = {}
         self.last_plan: Plan | None = None
         self.installed: _Variant | None = None
+        self.checked_grads = False
         self._next_id = 0
         self._lock = threading.RLock()
 
     # Compiled code is not pickled; it is rebuilt from the stored plans at the next forward.
+    # Nor are the loss function (often a lambda) and the optimizer: the stored plans keep
+    # what they priced, and a new input shape is planned with the default loss, which never
+    # assumes less than a real loss's gradient.
     def __getstate__(self) -> dict[str, Any]:
         return {
-            "config": self.config,
+            "config": replace(self.config, loss_fn=None, optimizer=None),
             "plans": [(v.key, v.plan) for v in self.variants.values()],
             "last_plan": self.last_plan,
         }
@@ -175,9 +195,7 @@ class RuntimeState:
         method = plan.capture if plan is not None else self.config.capture
         traced = capture(module, args, kwargs, method)
         if isinstance(traced, NoGraph):
-            made, prof = plan_blocks(module, args, kwargs, traced.reason,
-                                     self.config.budget_bytes, strategy=self.config.strategy,
-                                     mode=self.config.mode, cost=self.config.cost)
+            made, prof = plan_blocks(module, args, kwargs, traced.reason, self.config)
             variant = _Variant(key=key, plan=plan if plan is not None else made, program=None,
                                param_names=(), blocks=prof)
             modules.blocks_of_plan(prof, variant.plan)  # a given plan must name these blocks
@@ -187,9 +205,7 @@ class RuntimeState:
         if plan is not None:
             check_plan_fits(plan, traced, fingerprint)
         else:
-            plan = plan_graph(module, traced, arguments, self.config.budget_bytes,
-                              strategy=self.config.strategy, mode=self.config.mode,
-                              cost=self.config.cost)
+            plan = plan_graph(module, traced, arguments, self.config)
         variant_id = self._next_id
         self._next_id += 1
         program = compile_plan(module, traced, plan, variant_id)
@@ -212,29 +228,66 @@ def plan_blocks(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     reason: str,
-    budget_bytes: int | None,
-    *,
-    strategy: str,
-    mode: str,
-    cost: str = "flops",
+    config: ApplyConfig,
 ) -> tuple[Plan, modules.ModuleProfile]:
     """The ``"modules"`` rung: profile whole submodules with hooks and plan over them.
 
     It has no graph to time node by node: ``cost="profile"`` plans by FLOPs here, and the
-    plan's notes say so."""
+    plan's notes say so. Nor does it run the loss with the model: it prices the gradient a
+    loss sends into the output as an output-sized one, and says so."""
     from autockpt.trace import shallow_view
 
     _refuse_caches(module, args, kwargs)
+    budget_bytes, device = resolve_budget(module, args, kwargs, config)
     # The user's forward on the user's class, with the twin's block views running plainly.
     view = shallow_view(module)
-    with modules.suspended(view):
-        plan, prof = modules.build(view, args, kwargs, budget_bytes=budget_bytes, mode=mode,
-                                   strategy=strategy)
+    with modules.suspended(view), _whole_device(device):
+        plan, prof = modules.build(view, args, kwargs, budget_bytes=budget_bytes,
+                                   mode=config.mode, strategy=config.strategy,
+                                   grad_accumulation=config.grad_accumulation)
     notes = plan.notes
-    if cost != "flops":
-        notes += (f"cost={cost!r} needs a graph to time; the modules rung planned by FLOPs",)
+    if config.cost != "flops":
+        notes += (f"cost={config.cost!r} needs a graph to time; the modules rung planned by "
+                  "FLOPs",)
+    if config.loss_fn is not None:
+        notes += ("the modules rung cannot run loss_fn with the model: it priced an "
+                  "output-sized gradient for each output instead",)
     return replace(plan, model=base_class(module).__name__, capture="modules",
-                   capture_reason=reason, notes=notes), prof
+                   capture_reason=reason, notes=notes, device=device), prof
+
+
+def resolve_budget(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   config: ApplyConfig) -> tuple[int | None, DeviceBudget | None]:
+    """The activation budget for these inputs: ``budget_bytes``, or what the step's fixed
+    memory leaves of ``total_bytes``."""
+    if config.total_bytes is None:
+        return config.budget_bytes, None
+    device = device_budget(module, (args, kwargs), config.total_bytes, config.optimizer,
+                           subject=base_class(module).__name__)
+    return device.activation_budget_bytes, device
+
+
+@contextlib.contextmanager
+def _whole_device(device: DeviceBudget | None) -> Iterator[None]:
+    """Say what an activation budget that does not fit means for the whole device."""
+    try:
+        yield
+    except InfeasibleBudgetError as err:
+        if device is None:
+            raise
+        least = device.fixed_bytes + err.min_feasible_bytes
+        raise InfeasibleBudgetError(
+            f"the step needs at least {format_bytes(least)} of total_mb "
+            f"({format_bytes(device.total_bytes)}): {format_bytes(device.fixed_bytes)} fixed "
+            f"(parameters {format_bytes(device.parameter_bytes)}, gradients "
+            f"{format_bytes(device.gradient_bytes)}, {device.optimizer} state "
+            f"{format_bytes(device.optimizer_state_bytes)}, inputs "
+            f"{format_bytes(device.input_bytes)}) and {format_bytes(err.min_feasible_bytes)} "
+            f"of activations at the least",
+            budget_bytes=device.total_bytes, min_feasible_bytes=least,
+            fix=f"pass total_mb={-(-least * 100 // 2**20) / 100} or more, or use a smaller "
+            "batch",
+        ) from err
 
 
 def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -254,51 +307,38 @@ def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         )
 
 
-def make_any_plan(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    budget_bytes: int | None,
-    *,
-    strategy: str,
-    mode: str,
-    method: str,
-    cost: str = "flops",
-) -> Plan:
+def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  config: ApplyConfig) -> Plan:
     """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
     does)."""
-    traced = capture(module, args, kwargs, method)
+    traced = capture(module, args, kwargs, config.capture)
     if isinstance(traced, NoGraph):
-        return plan_blocks(module, args, kwargs, traced.reason, budget_bytes,
-                           strategy=strategy, mode=mode, cost=cost)[0]
-    return plan_graph(module, traced, bind_inputs(module, args, kwargs), budget_bytes,
-                      strategy=strategy, mode=mode, cost=cost)
+        return plan_blocks(module, args, kwargs, traced.reason, config)[0]
+    return plan_graph(module, traced, bind_inputs(module, args, kwargs), config)
 
 
-def plan_graph(
-    module: nn.Module,
-    traced: TracedModel,
-    arguments: dict[str, Any],
-    budget_bytes: int | None,
-    *,
-    strategy: str,
-    mode: str,
-    cost: str = "flops",
-) -> Plan:
-    """Profile a captured graph on fake tensors and plan it (what :func:`autockpt.plan` and
-    the first training forward of a transformed module both do). With ``cost="profile"``
-    the nodes are also timed on the real device and the planner weighs recompute by time."""
+def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any],
+               config: ApplyConfig) -> Plan:
+    """Profile a captured graph and the loss on fake tensors and plan it (what
+    :func:`autockpt.plan` and the first training forward of a transformed module both do).
+    With ``cost="profile"`` the nodes are also timed on the real device and the planner
+    weighs recompute by time."""
+    budget_bytes, device = resolve_budget(module, (), arguments, config)
     inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
-    stats = profile(traced, inputs)
-    if cost == "profile":
-        times = time_nodes(traced, inputs)
-        stats = replace(stats, nodes=tuple(replace(node, time_ns=t)
-                                           for node, t in zip(stats.nodes, times)))
-    plan = make_plan(stats, budget_bytes, strategy=strategy, mode=mode,
-                     model=base_class(module).__name__)
+    stats = profile(traced, inputs, loss_fn=config.loss_fn)
+    if config.cost == "profile":
+        times = iter(time_nodes(traced, inputs))
+        # The loss node is the user's code, never recomputed: it needs no time.
+        stats = replace(stats, nodes=tuple(
+            replace(node, time_ns=0 if node.op == LOSS_OP else next(times))
+            for node in stats.nodes))
+    with _whole_device(device):
+        plan = make_plan(stats, budget_bytes, strategy=config.strategy, mode=config.mode,
+                         model=base_class(module).__name__,
+                         grad_accumulation=config.grad_accumulation)
     return replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
                    capture=traced.capture, capture_reason=traced.capture_reason,
-                   cost_model=cost)
+                   cost_model=config.cost, device=device)
 
 
 def check_plan_fits(plan: Plan, traced: TracedModel, fingerprint: str) -> None:
@@ -445,6 +485,26 @@ def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: t
 # --------------------------------------------------------------------------- the class
 
 
+def _warn_if_accumulating(module: nn.Module, state: RuntimeState) -> None:
+    """Warn once when ``.grad`` is already allocated at a training forward of a model planned
+    for fresh gradients: its weight gradients are then temporaries the plan did not price."""
+    if state.config.grad_accumulation:
+        state.checked_grads = True
+        return
+    first = next((p for p in module.parameters() if p.requires_grad), None)
+    if first is None or first.grad is None:
+        return
+    state.checked_grads = True
+    warnings.warn(
+        f"{base_class(module).__name__}: .grad is already allocated at this training forward "
+        "(gradient accumulation, or zero_grad(set_to_none=False)), so each weight gradient is "
+        "a temporary added into it, which the plan did not count: the budget may not hold. "
+        "Fix: pass grad_accumulation=True to autockpt.apply, or call "
+        "optimizer.zero_grad(set_to_none=True) between steps",
+        BudgetWarning, stacklevel=5,
+    )
+
+
 class _CheckpointedMixin:
     """Methods added to the user's class. Only ``forward`` changes behaviour."""
 
@@ -456,6 +516,8 @@ class _CheckpointedMixin:
         # Eval and no_grad need no checkpoint: run the user's own forward, untouched.
         if state is None or not module.training or not torch.is_grad_enabled():
             return self._autockpt_base.forward(module, *args, **kwargs)
+        if not state.checked_grads:
+            _warn_if_accumulating(module, state)
         variant, arguments = state.variant_for(module, args, kwargs)
         return variant.run(module, args, kwargs, arguments)
 

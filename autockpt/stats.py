@@ -6,9 +6,13 @@ bytes as ints. This is what lets the planner be tested on hand-written tables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["NodeStat", "StorageStat", "Profile", "node_cost"]
+__all__ = ["NodeStat", "StorageStat", "LossStat", "Profile", "node_cost", "LOSS_OP", "assume_loss"]
+
+LOSS_OP = "loss"
+"""The ``op`` of the node that stands for the training step's loss, just before the output
+node: it is not part of the model's graph, so it is never checkpointed or rewritten."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,10 @@ class NodeStat:
     several nodes (tied embeddings) before it becomes ``.grad``, so the gradient made by a
     later reader, whose backward runs first, stays alive until the backward of the first
     reader (at ``position``) has run."""
+    accumulate_backward_bytes: int | None = None
+    """``backward_bytes`` when the parameters' ``.grad`` already exists (gradient
+    accumulation): autograd then computes each weight gradient into a temporary and adds it
+    into ``.grad``, so those gradients count too. ``None``: the same as ``backward_bytes``."""
     time_ns: int | None = None
     """Median measured forward time of the node in nanoseconds, when it was timed on the real
     device (``cost="profile"``, :func:`autockpt.timing.time_nodes`); ``None`` otherwise."""
@@ -112,6 +120,26 @@ class StorageStat:
 
 
 @dataclass(frozen=True)
+class LossStat:
+    """What the loss of the training step adds to it (see NOTE [ The default loss ] in
+    :mod:`autockpt.loss`)."""
+
+    kind: str
+    """``"loss_fn"`` (the user's loss, profiled with the model), ``"inner"`` (the model
+    returns its own loss, as a Hugging Face model given ``labels=``; the rest of its output
+    is dropped before backward) or ``"assumed"`` (no loss given: an output-sized gradient
+    for each floating output that requires grad)."""
+    name: str
+    """The loss function's name, or what was assumed."""
+    saved_bytes: int
+    """Bytes of new storages the loss saves for backward (a cross-entropy's log-softmax)."""
+    grad_bytes: int
+    """Bytes of the gradients it hands to the model's outputs."""
+    work_bytes: int
+    """Most new bytes alive at once while the loss is computed."""
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything the planner needs to know about one model at one input size."""
 
@@ -121,8 +149,49 @@ class Profile:
     """Every activation storage, ordered by producer position."""
     input_signature: str
     """Human-readable shapes and dtypes of the inputs the profile was taken at."""
+    loss: LossStat | None = None
+    """The loss of the step, when it is in the profile: then ``nodes[-2]`` is a node with
+    ``op`` :data:`LOSS_OP` that stands for it."""
+
+    @property
+    def graph_node_count(self) -> int:
+        """Nodes of the captured graph (the loss node is not one of them)."""
+        return len(self.nodes) - (1 if self.loss is not None else 0)
 
     @property
     def forward_flops(self) -> int:
-        """FLOPs of one forward pass."""
-        return sum(node.flops for node in self.nodes)
+        """FLOPs of one forward pass of the model (the loss not included)."""
+        return sum(node.flops for node in self.nodes if node.op != LOSS_OP)
+
+
+def assume_loss(profile: Profile) -> Profile:
+    """``profile`` with a loss node that hands an output-sized gradient to each output that
+    carries gradient, inserted before the output node: what a planner must assume of a loss
+    it cannot run (see NOTE [ The loss node ] in :mod:`autockpt.profile`). A profile that has
+    a loss node already is returned as it is.
+
+    Example:
+        >>> out = NodeStat(index=1, name="output", op="output", target="output",
+        ...                module_path="", inputs=(0,), users=(), output_kind="constant",
+        ...                requires_grad=False, flops=0, output_bytes=0, work_bytes=0,
+        ...                random=False, trainable=False, mutated_inputs=(), mutated_buffers=())
+        >>> lin = replace(out, index=0, name="fc", op="call_module", inputs=(), users=(1,),
+        ...               output_kind="tensor", requires_grad=True, grad_bytes=64)
+        >>> p = assume_loss(Profile(nodes=(lin, out), storages=(), input_signature=""))
+        >>> [n.op for n in p.nodes], p.loss.grad_bytes
+        (['call_module', 'loss', 'output'], 64)
+    """
+    if profile.loss is not None or not profile.nodes:
+        return profile
+    *body, output = profile.nodes
+    at = output.index
+    inputs = tuple(i for i in output.inputs if profile.nodes[i].requires_grad
+                   and profile.nodes[i].grad_bytes > 0)
+    grads = tuple(profile.nodes[i].grad_bytes for i in inputs)
+    loss = replace(output, name="loss", op=LOSS_OP, target="an output-sized gradient",
+                   inputs=inputs, users=(at + 1,), output_kind="tensor", requires_grad=True,
+                   backward_bytes=sum(grads), input_grad_bytes=grads, grad_bytes=0)
+    moved = replace(output, index=at + 1, inputs=(at,))
+    stat = LossStat(kind="assumed", name="an output-sized gradient", saved_bytes=0,
+                    grad_bytes=sum(grads), work_bytes=0)
+    return replace(profile, nodes=(*body, loss, moved), loss=stat)

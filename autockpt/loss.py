@@ -1,0 +1,255 @@
+"""The loss of a training step: the one default, the named losses, and checking a user's.
+
+Every entry point that runs or plans a step (``apply``, ``plan``, ``measure``, ``diagnose``,
+``memory_curves`` and the command line) takes ``loss_fn(output) -> scalar tensor`` with the
+same meaning, and without it uses the same default, :func:`default_loss`.
+
+# NOTE [ The default loss ]
+A model whose output holds its own loss (a Hugging Face model given ``labels=``, any model
+that returns a mapping with a scalar ``"loss"``) is trained on that loss: the default is that
+tensor, as the user's ``model(**batch).loss.backward()`` does, and the logits beside it get no
+gradient from the loss. Any other output is reduced by summing every floating-point tensor
+that requires grad, in at least float32 without a converted copy. Such a sum sends a broadcast
+scalar into the output, which costs no memory, while every real loss (cross-entropy, MSE)
+sends an output-sized gradient and often saves output-sized tensors of its own: planning
+without ``loss_fn`` therefore assumes an output-sized gradient for each such output (never
+optimistic), and says so in the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from autockpt.errors import InvalidArgumentError
+
+__all__ = ["LossFn", "NAMED_LOSSES", "default_loss", "inner_loss", "named_loss", "check_loss_fn",
+           "output_tensors", "call_loss"]
+
+LossFn = Callable[[Any], torch.Tensor]
+"""``loss_fn(output) -> scalar tensor``: what a training step backpropagates from."""
+
+
+def output_tensors(obj: Any, _seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested value, once: tuples, lists, sets, mappings (``ModelOutput``
+    included) and dataclass instances are walked.
+
+    Example:
+        >>> t = torch.ones(2)
+        >>> len(list(output_tensors({"a": t, "b": [t, torch.zeros(1)]})))
+        2
+    """
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return
+    if isinstance(obj, torch.Tensor):
+        seen.add(id(obj))
+        yield obj
+        return
+    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from output_tensors(value, seen)
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        for item in obj:
+            yield from output_tensors(item, seen)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from output_tensors(getattr(obj, f.name), seen)
+
+
+def inner_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model computed itself: a scalar floating-point tensor that requires grad
+    under the key (or attribute) ``loss`` of a mapping or dataclass output, else None.
+
+    Example:
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> inner_loss({"loss": x.sum(), "logits": x}) is not None, inner_loss(x)
+        (True, None)
+    """
+    value: Any = None
+    if isinstance(output, Mapping):
+        value = output.get("loss")
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        value = getattr(output, "loss", None)
+    if (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
+            and value.requires_grad):
+        return value
+    return None
+
+
+def default_loss(output: Any) -> torch.Tensor | None:
+    """The loss every entry point uses without ``loss_fn`` (NOTE [ The default loss ]): the
+    model's own loss when its output holds one, else the sum of every floating-point tensor
+    that requires grad; None when there is nothing to differentiate.
+
+    Example:
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> default_loss((x * 2, torch.arange(3)))
+        tensor(12., grad_fn=<SumBackward0>)
+    """
+    own = inner_loss(output)
+    if own is not None:
+        return own
+    total: torch.Tensor | None = None
+    for tensor in output_tensors(output):
+        if not (tensor.is_floating_point() and tensor.requires_grad):
+            continue
+        part = tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))
+        total = part if total is None else total + part
+    return total
+
+
+# --------------------------------------------------------------------------- named losses
+
+
+def _logits(output: Any, name: str) -> torch.Tensor:
+    own = inner_loss(output)
+    if isinstance(output, Mapping) and "logits" in output:
+        output = output["logits"]
+    elif own is None and not isinstance(output, torch.Tensor):
+        tensors = [t for t in output_tensors(output) if t.is_floating_point() and t.requires_grad]
+        if tensors:
+            output = tensors[0]
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        raise InvalidArgumentError(
+            f"the {name!r} loss needs a floating-point tensor output (or a mapping with "
+            f"'logits'), got {type(output).__name__}",
+            fix="pass loss_fn=... with your own loss in Python, or --loss sum",
+        )
+    return output
+
+
+def _targets(shape: tuple[int, ...], high: int, device: torch.device) -> torch.Tensor:
+    # Fixed seed: the same targets every call, without touching the global RNG.
+    generator = torch.Generator().manual_seed(0)
+    target = torch.randint(0, max(high, 1), shape, generator=generator)
+    return target.to(device) if device.type != "meta" else target.to("meta")
+
+
+def cross_entropy_loss(output: Any) -> torch.Tensor:
+    """Cross-entropy of the logits (the last dimension holds the classes) against fixed
+    random targets, as a classifier or a language model's head is trained.
+
+    Example:
+        >>> cross_entropy_loss(torch.zeros(4, 10, requires_grad=True)).item() > 0
+        True
+    """
+    logits = _logits(output, "cross_entropy")
+    if logits.dim() < 2:
+        raise InvalidArgumentError(
+            f"the 'cross_entropy' loss needs logits with a class dimension, got shape "
+            f"{tuple(logits.shape)}", fix="use --loss mse or --loss sum for this output")
+    flat = logits.reshape(-1, logits.shape[-1])
+    target = _targets((flat.shape[0],), logits.shape[-1], logits.device)
+    return F.cross_entropy(flat, target)
+
+
+def mse_loss(output: Any) -> torch.Tensor:
+    """Mean squared error of the output against zeros (an image or regression output).
+
+    Example:
+        >>> mse_loss(torch.ones(2, 3, requires_grad=True)).item()
+        1.0
+    """
+    prediction = _logits(output, "mse")
+    return F.mse_loss(prediction, torch.zeros_like(prediction))
+
+
+def sum_loss(output: Any) -> torch.Tensor:
+    """The sum of every floating-point output tensor that requires grad (:func:`default_loss`
+    without the model's own loss); it sends no output-sized gradient.
+
+    Example:
+        >>> sum_loss(torch.ones(2, 3, requires_grad=True)).item()
+        6.0
+    """
+    total = default_loss(output)
+    if total is None:
+        raise InvalidArgumentError("the output holds no floating-point tensor that requires grad",
+                                   fix="check that the model has trainable parameters")
+    return total
+
+
+NAMED_LOSSES: dict[str, LossFn] = {
+    "cross_entropy": cross_entropy_loss,
+    "mse": mse_loss,
+    "sum": sum_loss,
+}
+"""Losses the command line names with ``--loss``."""
+
+
+def named_loss(name: str) -> LossFn:
+    """The loss called ``name`` in :data:`NAMED_LOSSES`.
+
+    Example:
+        >>> named_loss("mse").__name__
+        'mse_loss'
+    """
+    try:
+        return NAMED_LOSSES[name]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"unknown loss {name!r}", fix=f"use one of: {', '.join(NAMED_LOSSES)}"
+        ) from None
+
+
+def check_loss_fn(loss_fn: Any) -> LossFn | None:
+    """Validate a ``loss_fn`` argument: None, a callable, or the name of a named loss.
+
+    Example:
+        >>> check_loss_fn("sum").__name__
+        'sum_loss'
+    """
+    if loss_fn is None:
+        return None
+    if isinstance(loss_fn, str):
+        return named_loss(loss_fn)
+    if not callable(loss_fn):
+        raise InvalidArgumentError(
+            f"loss_fn must be callable, got {type(loss_fn).__name__}",
+            fix="pass loss_fn=lambda out: torch.nn.functional.cross_entropy(out, y), the name "
+            f"of a built-in loss ({', '.join(NAMED_LOSSES)}), or None",
+        )
+    return loss_fn
+
+
+def call_loss(loss_fn: LossFn | None, output: Any, subject: str) -> torch.Tensor:
+    """The scalar loss of ``output``: ``loss_fn(output)``, or :func:`default_loss`; a clear
+    error when it is not a scalar tensor that requires grad."""
+    if loss_fn is None:
+        loss = default_loss(output)
+        if loss is None:
+            raise InvalidArgumentError(
+                f"the output of {subject} holds no floating-point tensor that requires grad, "
+                "so there is no backward",
+                fix="give the model trainable parameters (requires_grad=True), do not run it "
+                "under torch.inference_mode(), or pass loss_fn",
+            )
+        return loss
+    try:
+        loss = loss_fn(output)
+    except InvalidArgumentError:
+        raise
+    except Exception as err:
+        raise InvalidArgumentError(
+            f"loss_fn raised {type(err).__name__} on the output of {subject}: {err}",
+            fix="loss_fn receives exactly what forward returns and must return a scalar tensor",
+        ) from err
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+               else f"a {type(loss).__name__}")
+        raise InvalidArgumentError(f"loss_fn must return a scalar tensor, got {got}",
+                                   fix="reduce the loss, e.g. return loss.mean()")
+    if not loss.requires_grad:
+        raise InvalidArgumentError(
+            "the tensor returned by loss_fn does not require grad, so there is no backward",
+            fix="compute the loss from the model output without .detach() or torch.no_grad()",
+        )
+    return loss
