@@ -8,6 +8,7 @@ Example:
 """
 
 from autockpt.api import apply, plan, plan_of
+from autockpt.budget import DeviceBudget
 from autockpt.checkpoints import (
     CheckpointFallbackWarning,
     CheckpointManager,
@@ -24,6 +25,7 @@ from autockpt.checkpoints import (
 from autockpt.diagnose import diagnose
 from autockpt.errors import (
     AutockptError,
+    BudgetWarning,
     CheckpointError,
     InfeasibleBudgetError,
     InvalidArgumentError,
@@ -39,11 +41,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutockptError",
+    "BudgetWarning",
     "CheckpointError",
     "CheckpointFallbackWarning",
     "CheckpointManager",
     "CheckpointRecord",
     "CheckpointWarning",
+    "DeviceBudget",
     "Finding",
     "InfeasibleBudgetError",
     "InvalidArgumentError",

@@ -30,7 +30,8 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.loss import output_tensors
 from autockpt.units import format_bytes
 
-__all__ = ["DeviceBudget", "device_budget", "optimizer_state_bytes", "optimizer_step_bytes"]
+__all__ = ["DeviceBudget", "device_budget", "optimizer_state_bytes", "optimizer_step_bytes",
+           "storage_bytes"]
 
 _TWO_BUFFERS = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD")
 
@@ -68,7 +69,15 @@ class DeviceBudget:
         return self.total_bytes - self.fixed_bytes
 
 
-def _unique_bytes(tensors: Any) -> int:
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once (a view adds nothing to its
+    base); a meta tensor counts its own elements.
+
+    Example:
+        >>> w = torch.zeros(10, 10)
+        >>> storage_bytes([w, w.t(), w[0], torch.zeros(5)])
+        420
+    """
     seen: set[tuple[str, int]] = set()
     total = 0
     for t in tensors:
@@ -127,7 +136,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                 continue
             state = optimizer.state.get(p)
             if state:
-                total += _unique_bytes(output_tensors(dict(state)))
+                total += storage_bytes(output_tensors(dict(state)))
                 continue
             total += per * p.numel() * p.element_size()
             if type(optimizer).__name__ in _TWO_BUFFERS:
@@ -179,18 +188,18 @@ def device_budget(module: nn.Module, inputs: Any, total_bytes: int,
         (4004000, 4004000, 64000)
     """
     params = list(module.parameters())
-    parameter_bytes = _unique_bytes([*params, *module.buffers()])
-    gradient_bytes = _unique_bytes([p for p in params if p.requires_grad])
+    parameter_bytes = storage_bytes([*params, *module.buffers()])
+    gradient_bytes = storage_bytes([p for p in params if p.requires_grad])
     if optimizer is not None:
         known = {id(p) for p in params}
-        gradient_bytes += _unique_bytes([p for p in _optimized(optimizer) if id(p) not in known])
+        gradient_bytes += storage_bytes([p for p in _optimized(optimizer) if id(p) not in known])
     budget = DeviceBudget(
         total_bytes=total_bytes,
         parameter_bytes=parameter_bytes,
         gradient_bytes=gradient_bytes,
         optimizer_state_bytes=optimizer_state_bytes(optimizer),
         optimizer_step_bytes=optimizer_step_bytes(optimizer),
-        input_bytes=_unique_bytes(output_tensors(inputs)),
+        input_bytes=storage_bytes(output_tensors(inputs)),
         optimizer=type(optimizer).__name__ if optimizer is not None else "none",
     )
     total = format_bytes(total_bytes)
@@ -210,12 +219,12 @@ def device_budget(module: nn.Module, inputs: Any, total_bytes: int,
                 "keeps less state (SGD, or Adam with sharded state under FSDP)",
                 budget_bytes=total_bytes, min_feasible_bytes=nbytes + 1,
             )
-    step = (budget.parameter_bytes + budget.gradient_bytes + budget.optimizer_state_bytes
-            + budget.optimizer_step_bytes)
+    # The batch is still alive while the optimizer steps: the training loop holds it.
+    step = budget.fixed_bytes + budget.optimizer_step_bytes
     if step > total_bytes:
         raise InfeasibleBudgetError(
             f"{subject}: {budget.optimizer}.step() needs {format_bytes(step)} (parameters, "
-            f"gradients, state and {format_bytes(budget.optimizer_step_bytes)} of "
+            f"gradients, state, inputs and {format_bytes(budget.optimizer_step_bytes)} of "
             f"temporaries), more than total_mb ({total})",
             fix="raise total_mb, or use a fused or per-tensor optimizer (foreach=False)",
             budget_bytes=total_bytes, min_feasible_bytes=step,

@@ -48,7 +48,8 @@ from torch import nn
 import autockpt
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.findings import Report
-from autockpt.measure import MemoryReport, _format_seconds
+from autockpt.measure import MemoryReport
+from autockpt.units import format_seconds as _format_seconds
 from autockpt.planner import BUDGET_SLACK, MODES, STRATEGIES, Plan
 from autockpt.report import PLAN_COLUMNS, PLAN_COLUMNS_RIGHT, format_table, plan_rows, plan_summary
 from autockpt.units import format_bytes

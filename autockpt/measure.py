@@ -54,7 +54,7 @@ NOTE [ What the dispatch-mode measure cannot see ]
 from __future__ import annotations
 
 import array
-import dataclasses
+import copy
 import functools
 import statistics
 import threading
@@ -68,8 +68,10 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autockpt.budget import storage_bytes
 from autockpt.errors import AutockptError, InvalidArgumentError
-from autockpt.units import format_bytes
+from autockpt.loss import LossFn, call_loss, check_loss_fn, inner_loss, output_tensors
+from autockpt.units import format_bytes, format_seconds
 
 __all__ = [
     "Mark",
@@ -517,6 +519,11 @@ class MemoryReport:
     including kernel workspaces and rounding. None on other devices."""
     device: str
     """Device of the model, e.g. ``"cpu"`` or ``"cuda:0"``."""
+    peak_total_bytes: int | None = None
+    """With ``optimizer=``: the peak of everything the step holds at once, ``optimizer.step()``
+    included: parameters, buffers, inputs, gradients, optimizer state, activations and the
+    temporaries of backward and of the optimizer, each storage counted once. What
+    ``total_mb`` budgets. None without an optimizer."""
     timeline: tuple[TimelinePoint, ...] = field(default=(), repr=False, compare=False)
     """Bytes alive after each op of the tracked step; phases index :attr:`marks`."""
     marks: tuple[Mark, ...] = field(default=(), repr=False, compare=False)
@@ -528,8 +535,10 @@ class MemoryReport:
             f" (forward {format_bytes(self.forward_peak_bytes)},"
             f" backward {format_bytes(self.backward_peak_bytes)})",
             f"saved for backward {format_bytes(self.saved_bytes)}",
-            f"step {_format_seconds(self.step_seconds)}",
+            f"step {format_seconds(self.step_seconds)}",
         ]
+        if self.peak_total_bytes is not None:
+            parts.append(f"whole step with the optimizer {format_bytes(self.peak_total_bytes)}")
         if self.cuda_max_memory_allocated_bytes is not None:
             parts.append(
                 f"CUDA max allocated {format_bytes(self.cuda_max_memory_allocated_bytes)}"
@@ -537,29 +546,20 @@ class MemoryReport:
         return "; ".join(parts)
 
 
-def _format_seconds(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} us"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds:.2f} s"
-
-
 # --------------------------------------------------------------------------------------
 # measure()
 # --------------------------------------------------------------------------------------
 
-LossFn = Callable[[Any], torch.Tensor]
-
-
 def measure(
     model: torch.nn.Module,
-    example_inputs: torch.Tensor | tuple[Any, ...],
+    example_inputs: Any,
     *,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossFn | str | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     warmup: int = 0,
     repeat: int = 1,
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_accumulation: bool = False,
 ) -> MemoryReport:
     """Run real training steps of ``model`` and report its activation memory and step time.
 
@@ -567,15 +567,18 @@ def measure(
     steps are timed without the tracker, after ``warmup`` untimed ones, so ``warmup + 1 +
     repeat`` steps run in all. The model stays in the mode it is in (``train()`` or
     ``eval()``), and is left as it was: parameter gradients (None stays None), buffers
-    (BatchNorm running statistics, ``num_batches_tracked``) and the CPU and CUDA random
-    number generators are restored, so measuring does not shift the dropout stream.
+    (BatchNorm running statistics, ``num_batches_tracked``), parameters and optimizer state
+    (when ``optimizer`` steps them) and the CPU and CUDA random number generators are
+    restored, so measuring does not shift the dropout stream.
 
-    The default loss is the sum of every floating-point tensor in the output that requires
-    grad (walking tuples, lists, mappings such as ``ModelOutput`` and dataclasses), reduced
-    in at least float32 without materialising a converted copy. Its backward is cheap: the
-    gradient that reaches the output is a broadcast scalar, so the peak excludes the one
-    output-sized gradient a real loss such as cross-entropy would create. Pass ``loss_fn``
-    to measure with your loss.
+    A step is ``loss = loss_fn(model(*args, **kwargs)); loss.backward()``, the output held
+    until backward ends, as a training loop holds it. The default loss is the one every
+    autockpt entry point uses (NOTE [ The default loss ] in :mod:`autockpt.loss`): the model's
+    own loss when its output holds one (a Hugging Face model given ``labels=``), the rest of
+    the output then dropped before backward as ``model(**batch).loss.backward()`` does; else
+    the sum of every floating-point output tensor that requires grad, whose backward sends a
+    broadcast scalar into the output and so leaves out the output-sized gradient a real loss
+    makes. Pass ``loss_fn`` to measure with your loss.
 
     Inputs that require grad get gradients during the step; leaf inputs have their
     ``.grad`` restored afterwards, and non-leaf inputs are detached first so that backward
@@ -583,19 +586,28 @@ def measure(
 
     Args:
         model: the module to measure, on the device to measure on.
-        example_inputs: one tensor, or a tuple of the positional arguments of ``forward``.
-        loss_fn: ``loss_fn(output) -> scalar tensor``; defaults to the sum described above.
-        example_kwargs: keyword arguments of ``forward``.
+        example_inputs: the inputs of ``forward``: one tensor, a tuple or list of positional
+            inputs, or a dict of keyword inputs.
+        loss_fn: ``loss_fn(output) -> scalar tensor``, or the name of a built-in loss
+            (``"cross_entropy"``, ``"mse"``, ``"sum"``); defaults to the loss described above.
+        example_kwargs: keyword inputs of ``forward``.
         warmup: untimed steps before the timed ones.
         repeat: timed steps; :attr:`MemoryReport.step_seconds` is their median.
+        optimizer: an optimizer over the model's parameters: each step ends with
+            ``optimizer.step()``, and :attr:`MemoryReport.peak_total_bytes` reports the peak
+            of the whole step, its state and temporaries included (what ``total_mb``
+            budgets).
+        grad_accumulation: measure a step of gradient accumulation: every parameter's
+            ``.grad`` is already allocated (a zero tensor) when backward runs, so each
+            weight gradient is a temporary added into it.
 
     Returns:
         A :class:`MemoryReport`.
 
     Raises:
-        InvalidArgumentError: ``model`` is not a module, the inputs have the wrong type,
-            ``forward``, ``loss_fn`` or backward raise (chained to the original error), or
-            the output has nothing to differentiate.
+        InvalidArgumentError: ``model`` is not a module, an argument has the wrong type,
+            ``forward``, ``loss_fn``, backward or ``optimizer.step()`` raise (chained to the
+            original error), or the output has nothing to differentiate.
 
     Example:
         >>> import torch
@@ -609,16 +621,16 @@ def measure(
         >>> "KiB" in str(report)
         True
     """
-    args, kwargs = _check_arguments(model, example_inputs, loss_fn, example_kwargs, warmup, repeat)
-    step = make_step(model, args, kwargs, loss_fn)
+    args, kwargs, loss = _check_arguments(model, example_inputs, loss_fn, example_kwargs,
+                                          warmup, repeat, optimizer, grad_accumulation)
+    step = make_step(model, args, kwargs, loss, optimizer=optimizer,
+                     grad_accumulation=grad_accumulation)
     device = step.device
-    with _PreservedState(model, step.grad_leaves, device):
+    with _PreservedState(model, step.grad_leaves, device, optimizer):
         for _ in range(warmup):
             step.run()
 
-        tracked = step.run(
-            exclude=step.existing_tensors(),
-        )
+        tracked = step.run(track=True)
         assert tracked.tracker is not None
         tracker = tracked.tracker
 
@@ -640,6 +652,7 @@ def measure(
         step_seconds=statistics.median(seconds),
         cuda_max_memory_allocated_bytes=cuda_peak,
         device=str(device),
+        peak_total_bytes=tracked.total_bytes,
         timeline=tuple(tracker.timeline),
         marks=tuple(tracker.marks),
     )
@@ -651,18 +664,29 @@ def measure(
 #     buffer backward allocated (or clones it): that storage is a parameter gradient from
 #     the moment it exists, not an activation, so a post-accumulate-grad hook tells the
 #     tracker to reclassify it, which removes its bytes from the whole timeline since it was
-#     allocated. Pre-allocating zero grads instead would make backward compute each weight
-#     gradient into a temporary and add it in place: a parameter-sized temporary that no
-#     checkpointing plan can remove, which is the gradient-accumulation case and not what a
-#     budget for activations is about. The user's own ``.grad`` tensors are never written:
-#     each leaf's previous ``.grad`` object (or None) is put back when measuring ends.
+#     allocated. With ``grad_accumulation=True`` each trainable parameter's ``.grad`` is a
+#     zero tensor before the step instead, as from the second micro-batch on: backward then
+#     computes each weight gradient into a temporary and adds it in place, a parameter-sized
+#     temporary that counts as activation memory because the step cannot run without it. The
+#     user's own ``.grad`` tensors are never written: each leaf's previous ``.grad`` object
+#     (or None) is put back when measuring ends.
+#
+# NOTE [ The whole step ]
+#     With an optimizer, a second tracker runs around the first and never reclassifies: it
+#     counts every storage the step allocates (activations, gradients, the optimizer's state
+#     on its first step and the temporaries of ``optimizer.step()``), which runs after
+#     backward while the output and the loss are still held, as in a training loop. Adding
+#     what existed before the step (parameters, buffers, inputs, gradients and state already
+#     allocated) gives the peak of the whole step, what ``total_mb`` must cover.
 
 
 _S = TypeVar("_S", bound="_Step")
 
 
 def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-              loss_fn: LossFn | None, step_type: type[_S] | None = None) -> _S:
+              loss_fn: LossFn | None, step_type: type[_S] | None = None, *,
+              optimizer: torch.optim.Optimizer | None = None,
+              grad_accumulation: bool = False) -> _S:
     """A training step of ``model`` on these (already checked) inputs, set up the way
     :func:`measure` measures it: non-leaf inputs detached, the leaves whose ``.grad`` backward
     writes collected, the device found."""
@@ -670,7 +694,7 @@ def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     kwargs = _map_tensors(kwargs, _detach_non_leaf)
     parameters = list(model.parameters())
     buffers = list(model.buffers())
-    input_tensors = list(_iter_tensors((args, kwargs)))
+    input_tensors = list(output_tensors((args, kwargs)))
     device = _step_device(parameters, buffers, input_tensors)
     # Leaves whose .grad backward writes: trainable parameters and leaf inputs that require
     # grad. Deduplicated by identity; a tensor can be both an input and a parameter.
@@ -678,8 +702,12 @@ def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     for tensor in [*parameters, *input_tensors]:
         if tensor.requires_grad and tensor.is_leaf:
             grad_leaves.setdefault(id(tensor), tensor)
+    # Only parameters accumulate across micro-batches: each micro-batch brings new inputs.
+    accumulating = ([p for p in parameters if p.requires_grad and p.is_leaf]
+                    if grad_accumulation else [])
     cls = _Step if step_type is None else step_type
-    return cls(model, args, kwargs, loss_fn, list(grad_leaves.values()), device)  # type: ignore[return-value]
+    return cls(model, args, kwargs, loss_fn, list(grad_leaves.values()), device,  # type: ignore[return-value]
+               optimizer, list({id(p): p for p in accumulating}.values()))
 
 
 @dataclass
@@ -687,11 +715,13 @@ class _StepResult:
     seconds: float
     tracker: track_activation_memory | None = None
     cuda_peak_bytes: int | None = None
+    total_bytes: int | None = None
 
 
 @dataclass
 class _Step:
-    """One forward + loss + backward of the model, runnable several times."""
+    """One forward + loss + backward (+ optimizer step) of the model, runnable several
+    times."""
 
     model: torch.nn.Module
     args: tuple[Any, ...]
@@ -699,24 +729,31 @@ class _Step:
     loss_fn: LossFn | None
     grad_leaves: list[torch.Tensor]
     device: torch.device
+    optimizer: torch.optim.Optimizer | None = None
+    accumulating: list[torch.Tensor] = field(default_factory=list)
+    """Parameters whose ``.grad`` is allocated before the step (gradient accumulation)."""
 
     def existing_tensors(self) -> list[torch.Tensor]:
         """What exists before the step and is not an activation: parameters, buffers,
-        inputs."""
+        inputs, the gradients already allocated and the optimizer's state."""
+        grads = [leaf.grad for leaf in self.grad_leaves if leaf.grad is not None]
+        state = (list(output_tensors(list(self.optimizer.state.values())))
+                 if self.optimizer is not None else [])
         return [*self.model.parameters(), *self.model.buffers(),
-                *_iter_tensors((self.args, self.kwargs))]
+                *output_tensors((self.args, self.kwargs)), *grads, *state]
 
-    def run(
-        self,
-        *,
-        exclude: list[torch.Tensor] | None = None,
-        cuda_peak: bool = False,
-    ) -> _StepResult:
-        """Run one step; track its memory when ``exclude`` is given (the tensors that
-        already exist), or measure the CUDA allocator's peak when ``cuda_peak``."""
+    def _reset_grads(self) -> None:
         # See NOTE [ Gradients during a measured step ].
         for leaf in self.grad_leaves:
             leaf.grad = None
+        with torch.no_grad():
+            for param in self.accumulating:
+                param.grad = torch.zeros_like(param)
+
+    def run(self, *, track: bool = False, cuda_peak: bool = False) -> _StepResult:
+        """Run one step; track its memory when ``track``, or measure the CUDA allocator's
+        peak when ``cuda_peak``."""
+        self._reset_grads()
         handles = []
         try:
             before = 0
@@ -725,9 +762,11 @@ class _Step:
                 if cuda_peak:
                     before = torch.cuda.memory_allocated(self.device)
                     torch.cuda.reset_peak_memory_stats(self.device)
-            if exclude is None:
+            if not track:
                 start = time.perf_counter()
-                self._forward_backward(None)
+                held = self._forward_backward(None)
+                self._optimizer_step()
+                del held
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 seconds = time.perf_counter() - start
@@ -736,6 +775,10 @@ class _Step:
                     peak = torch.cuda.max_memory_allocated(self.device) - before
                 return _StepResult(seconds=seconds, cuda_peak_bytes=peak)
 
+            exclude = self.existing_tensors()
+            # See NOTE [ The whole step ].
+            whole = (track_activation_memory(exclude=exclude, device=self.device)
+                     if self.optimizer is not None else None)
             tracker = track_activation_memory(exclude=exclude, device=self.device)
             handles = [
                 leaf.register_post_accumulate_grad_hook(
@@ -745,16 +788,27 @@ class _Step:
                 if leaf.is_leaf
             ]
             start = time.perf_counter()
-            with tracker:
-                self._forward_backward(tracker)
-            return _StepResult(seconds=time.perf_counter() - start, tracker=tracker)
+            if whole is None:
+                with tracker:
+                    self._forward_backward(tracker)
+                return _StepResult(seconds=time.perf_counter() - start, tracker=tracker)
+            existing_bytes = storage_bytes(exclude)
+            with whole:
+                with tracker:
+                    held = self._forward_backward(tracker)
+                self._optimizer_step()
+                del held
+            return _StepResult(seconds=time.perf_counter() - start, tracker=tracker,
+                               total_bytes=existing_bytes + whole.peak_bytes)
         finally:
             for handle in handles:
                 handle.remove()
             for leaf in self.grad_leaves:
                 leaf.grad = None
 
-    def _forward_backward(self, tracker: track_activation_memory | None) -> None:
+    def _forward_backward(self, tracker: track_activation_memory | None) -> tuple[Any, ...]:
+        """Forward, loss and backward; returns what the training loop still holds after
+        backward (the output and the loss), for the optimizer step to run beside."""
         model_name = type(self.model).__name__
         with torch.enable_grad():
             if tracker is not None:
@@ -772,7 +826,11 @@ class _Step:
 
             if tracker is not None:
                 tracker.mark("loss")
-            loss = self._loss(output, model_name)
+            loss = call_loss(self.loss_fn, output, model_name)
+            if self.loss_fn is None and inner_loss(output) is not None:
+                # The model's own loss: the loop keeps only it (``model(**b).loss``), so the
+                # logits beside it are freed unless backward saved them.
+                output = None
 
             if tracker is not None:
                 tracker.mark("backward")
@@ -788,60 +846,19 @@ class _Step:
                 ) from err
             if tracker is not None:
                 tracker.mark("end")
-            del output, loss
+            return output, loss
 
-    def _loss(self, output: Any, model_name: str) -> torch.Tensor:
-        if self.loss_fn is None:
-            loss = _default_loss(output)
-            if loss is None:
-                raise InvalidArgumentError(
-                    f"the output of {model_name} holds no floating-point tensor that "
-                    "requires grad, so there is no backward to measure",
-                    fix=(
-                        "give the model trainable parameters (requires_grad=True), do not "
-                        "call measure() under torch.inference_mode(), or pass loss_fn"
-                    ),
-                )
-            return loss
+    def _optimizer_step(self) -> None:
+        if self.optimizer is None:
+            return
         try:
-            loss = self.loss_fn(output)
+            self.optimizer.step()
         except Exception as err:
             raise InvalidArgumentError(
-                f"loss_fn raised {type(err).__name__} on the output of {model_name}: {err}",
-                fix="loss_fn receives exactly what forward returns and must return a scalar tensor",
+                f"{type(self.optimizer).__name__}.step() raised {type(err).__name__}: {err}",
+                fix="pass an optimizer built on this model's parameters, e.g. "
+                "torch.optim.AdamW(model.parameters())",
             ) from err
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = (
-                f"a tensor of shape {tuple(loss.shape)}"
-                if isinstance(loss, torch.Tensor)
-                else f"a {type(loss).__name__}"
-            )
-            raise InvalidArgumentError(
-                f"loss_fn must return a scalar tensor, got {got}",
-                fix="reduce the loss, e.g. return loss.mean()",
-            )
-        if not loss.requires_grad:
-            raise InvalidArgumentError(
-                "the tensor returned by loss_fn does not require grad, so there is no "
-                "backward to measure",
-                fix="compute the loss from the model output without .detach() or torch.no_grad()",
-            )
-        return loss
-
-
-def _default_loss(output: Any) -> torch.Tensor | None:
-    """Sum of every floating-point output tensor that requires grad, or None if none does.
-
-    ``t.sum(dtype=float32)`` accumulates a half-precision output in float32 without the
-    output-sized copy that ``t.float().sum()`` would allocate (and the tracker would count).
-    """
-    total: torch.Tensor | None = None
-    for tensor in _iter_tensors(output):
-        if not (tensor.is_floating_point() and tensor.requires_grad):
-            continue
-        part = tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))
-        total = part if total is None else total + part
-    return total
 
 
 class _PreservedState:
@@ -849,17 +866,22 @@ class _PreservedState:
 
     Restored on exit, also when the step raised: the ``.grad`` of each leaf (the same
     tensor object, or None), every buffer (the same tensor object, with its old values),
-    and the CPU and CUDA random number generators.
+    with an optimizer the parameters' values and the optimizer's state, and the CPU and CUDA
+    random number generators.
     """
 
     def __init__(
-        self, model: torch.nn.Module, grad_leaves: list[torch.Tensor], device: torch.device
+        self, model: torch.nn.Module, grad_leaves: list[torch.Tensor], device: torch.device,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self._model = model
         self._grad_leaves = grad_leaves
         self._device = device
+        self._optimizer = optimizer
         self._grads: list[torch.Tensor | None] = []
         self._buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self._parameters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._optimizer_state: dict[str, Any] | None = None
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
 
@@ -871,6 +893,13 @@ class _PreservedState:
                     # Keep the object too: a forward may rebind the attribute to a new
                     # tensor instead of updating in place.
                     self._buffers.append((module, name, buffer, buffer.detach().clone()))
+            if self._optimizer is not None:
+                # On the CPU, so that the copies take nothing from the device measured.
+                self._parameters = [
+                    (p, p.detach().to("cpu", copy=True))
+                    for group in self._optimizer.param_groups for p in group["params"]
+                ]
+                self._optimizer_state = copy.deepcopy(self._optimizer.state_dict())
         self._cpu_rng = torch.get_rng_state()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._cuda_rng = torch.cuda.get_rng_state_all()
@@ -888,7 +917,13 @@ class _PreservedState:
             for module, name, buffer, snapshot in self._buffers:
                 setattr(module, name, buffer)
                 buffer.copy_(snapshot)
+            for param, saved in self._parameters:
+                param.copy_(saved)
         self._buffers.clear()
+        self._parameters.clear()
+        if self._optimizer is not None and self._optimizer_state is not None:
+            self._optimizer.load_state_dict(self._optimizer_state)
+            self._optimizer_state = None
         assert self._cpu_rng is not None
         torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:
@@ -907,58 +942,41 @@ def _check_arguments(
     example_kwargs: Any,
     warmup: Any,
     repeat: Any,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    optimizer: Any = None,
+    grad_accumulation: Any = False,
+) -> tuple[tuple[Any, ...], dict[str, Any], LossFn | None]:
+    """``(args, kwargs, loss_fn)`` from :func:`measure`'s arguments, or a clear error."""
+    from autockpt.api import split_inputs
+
     if not isinstance(model, torch.nn.Module):
         raise InvalidArgumentError(
             f"model must be a torch.nn.Module, got {type(model).__name__}",
             fix="pass the module itself, e.g. measure(model, x), not its output or state_dict",
         )
-    if isinstance(example_inputs, torch.Tensor):
-        args: tuple[Any, ...] = (example_inputs,)
-    elif isinstance(example_inputs, tuple):
-        args = example_inputs
-    elif isinstance(example_inputs, list):
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    if not all(isinstance(k, str) for k in kwargs):
         raise InvalidArgumentError(
-            "example_inputs must be a tensor or a tuple of positional arguments, got a list",
-            fix=(
-                "pass tuple(example_inputs) if the list holds the positional arguments, "
-                "or (example_inputs,) if forward takes the list as its one argument"
-            ),
-        )
-    elif isinstance(example_inputs, Mapping):
-        raise InvalidArgumentError(
-            "example_inputs must be a tensor or a tuple of positional arguments, got a mapping",
-            fix="pass keyword arguments as example_kwargs=..., e.g. measure(model, (), example_kwargs=batch)",
-        )
-    else:
-        raise InvalidArgumentError(
-            "example_inputs must be a tensor or a tuple of positional arguments, "
-            f"got {type(example_inputs).__name__}",
-            fix="wrap it in a tuple, e.g. measure(model, (x,))",
-        )
-
-    if example_kwargs is None:
-        kwargs: dict[str, Any] = {}
-    elif isinstance(example_kwargs, Mapping) and all(isinstance(k, str) for k in example_kwargs):
-        kwargs = dict(example_kwargs)
-    else:
-        raise InvalidArgumentError(
-            "example_kwargs must be a mapping from argument names to values, "
-            f"got {type(example_kwargs).__name__}",
+            "keyword inputs must be keyed by argument names (str), got keys "
+            f"{[k for k in kwargs if not isinstance(k, str)]!r}",
             fix="pass a dict such as example_kwargs={'attention_mask': mask}",
         )
-
-    if loss_fn is not None and not callable(loss_fn):
-        raise InvalidArgumentError(
-            f"loss_fn must be callable, got {type(loss_fn).__name__}",
-            fix="pass a function of the model output that returns a scalar tensor, or None",
-        )
+    loss = check_loss_fn(loss_fn)
     for name, value, least in (("warmup", warmup, 0), ("repeat", repeat, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidArgumentError(
                 f"{name} must be an int >= {least}, got {value!r}",
                 fix=f"pass {name}={max(least, 1)}",
             )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidArgumentError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}",
+            fix="pass the optimizer itself, e.g. optimizer=torch.optim.AdamW(model.parameters())",
+        )
+    if not isinstance(grad_accumulation, bool):
+        raise InvalidArgumentError(
+            f"grad_accumulation must be True or False, got {grad_accumulation!r}",
+            fix="pass grad_accumulation=True to measure a micro-batch after the first",
+        )
 
     for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, tensor in tensors:
@@ -969,7 +987,7 @@ def _check_arguments(
                     "measured step",
                     fix="run the model once on the example inputs before measuring",
                 )
-    return args, kwargs
+    return args, kwargs, loss
 
 
 def _step_device(
@@ -1012,27 +1030,3 @@ def _rebuild_dict(original: dict[Any, Any], mapped: dict[Any, Any]) -> dict[Any,
         return rebuilt
     except Exception:
         return mapped
-
-
-def _iter_tensors(obj: Any, _seen: set[int] | None = None) -> Iterator[torch.Tensor]:
-    """Every tensor in a nested output, once: tuples, lists, sets, mappings (including
-    ``ModelOutput``-like ordered dicts) and dataclass instances are walked."""
-    seen = set() if _seen is None else _seen
-    if id(obj) in seen:
-        return
-    if isinstance(obj, torch.Tensor):
-        seen.add(id(obj))
-        yield obj
-        return
-    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
-        return
-    seen.add(id(obj))
-    if isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _iter_tensors(value, seen)
-    elif isinstance(obj, (tuple, list, set, frozenset)):
-        for item in obj:
-            yield from _iter_tensors(item, seen)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _iter_tensors(getattr(obj, f.name), seen)

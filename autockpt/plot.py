@@ -28,7 +28,7 @@ NOTE [ Where the segments are in the timeline ]
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.loss import LossFn
 from autockpt.measure import (
     _check_arguments,
     _PreservedState,
@@ -117,12 +118,12 @@ class MemoryCurves:
 
 def memory_curves(
     model: nn.Module,
-    example_inputs: torch.Tensor | tuple[Any, ...],
+    example_inputs: Any,
     *,
     budget_mb: float | None = None,
     plan: Plan | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: LossFn | str | None = None,
     mode: str = "non_reentrant",
     strategy: str = "greedy",
 ) -> MemoryCurves:
@@ -131,7 +132,11 @@ def memory_curves(
     Runs two real forward and backward passes (one of ``model``, one of
     ``autockpt.apply(model, plan=plan)``) and leaves ``model`` as it was, as
     :func:`autockpt.measure` does. The plan is ``plan`` if given, else
-    ``autockpt.plan(model, example_inputs, budget_mb=budget_mb, mode=mode, strategy=strategy)``.
+    ``autockpt.plan(model, example_inputs, budget_mb=budget_mb, loss_fn=loss_fn, mode=mode,
+    strategy=strategy)``: both steps and the plan use the same loss, ``loss_fn`` (a callable
+    or the name of a built-in loss) or the library's default (NOTE [ The default loss ] in
+    :mod:`autockpt.loss`). Inputs take the same forms as everywhere: a tensor, a tuple or
+    list of positional inputs, or a dict of keyword inputs.
 
     Example:
         >>> import torch, autockpt
@@ -165,10 +170,11 @@ def memory_curves(
             "pass either budget_mb or plan, not both: a plan already fixes the segments",
             fix="drop budget_mb, or make the plan with that budget",
         )
-    args, kwargs = _check_arguments(model, example_inputs, loss_fn, example_kwargs, 0, 1)
+    args, kwargs, loss_fn = _check_arguments(model, example_inputs, loss_fn, example_kwargs,
+                                             0, 1)
     if plan is None:
-        plan = make_plan(model, args, budget_mb=budget_mb, example_kwargs=kwargs, mode=mode,
-                         strategy=strategy)
+        plan = make_plan(model, args, budget_mb=budget_mb, example_kwargs=kwargs,
+                         loss_fn=loss_fn, mode=mode, strategy=strategy)
     elif not isinstance(plan, Plan):
         raise InvalidArgumentError(
             f"plan must be an autockpt.Plan, got {type(plan).__name__}",
@@ -197,10 +203,10 @@ class _MarkedStep(_Step):
 
     active: track_activation_memory | None = None
 
-    def _forward_backward(self, tracker: track_activation_memory | None) -> None:
+    def _forward_backward(self, tracker: track_activation_memory | None) -> tuple[Any, ...]:
         self.active = tracker
         try:
-            super()._forward_backward(tracker)
+            return super()._forward_backward(tracker)
         finally:
             self.active = None
 
@@ -209,7 +215,7 @@ def _tracked_step(
     model: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    loss_fn: Callable[[Any], torch.Tensor] | None,
+    loss_fn: LossFn | None,
     segment_numbers: dict[int, int] | None,
 ) -> tuple[tuple[int, ...], list[tuple[str, int]]]:
     """One tracked step, set up as :func:`autockpt.measure` sets it up; returns the bytes
@@ -220,7 +226,7 @@ def _tracked_step(
         _instrument(model, step, segment_numbers)
     try:
         with _PreservedState(model, step.grad_leaves, device):
-            result = step.run(exclude=step.existing_tensors())
+            result = step.run(track=True)
     finally:
         model.__dict__.pop("_autockpt_run", None)
     tracker = result.tracker
@@ -430,13 +436,13 @@ def draw_memory(curves: MemoryCurves, path: str | Path | None = None, *,
 
 def plot_memory(
     model: nn.Module,
-    example_inputs: torch.Tensor | tuple[Any, ...],
+    example_inputs: Any,
     *,
     budget_mb: float | None = None,
     plan: Plan | None = None,
     path: str | Path | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: LossFn | str | None = None,
     mode: str = "non_reentrant",
     strategy: str = "greedy",
     title: str | None = None,

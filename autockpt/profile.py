@@ -310,6 +310,24 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
     return runner.result(description)
 
 
+@contextlib.contextmanager
+def _real_tensors_allowed(output: Any) -> Iterator[None]:
+    """Let the loss read real tensors (its targets, captured from the user's code) beside the
+    fake output: the fake mode converts them as they come."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mode = next((t.fake_mode for t in _tensors(output) if isinstance(t, FakeTensor)), None)
+    if mode is None:
+        yield
+        return
+    before = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        mode.allow_non_fake_inputs = before
+
+
 # NOTE [ The loss node ]
 # The step users run is ``loss_fn(model(x)).backward()``: the loss's saved tensors (the
 # log-softmax of a cross-entropy), its temporaries and the gradient it sends into the output
@@ -514,19 +532,30 @@ class _ProfileRunner(torch.nn.Module):
                    value_storages: dict[fx.Node, list[int]]) -> int:
         """Add the loss node at ``index`` (NOTE [ The loss node ]); return the output node's
         position, one after it."""
-        env = interpreter.env
         producers = sorted(node.all_input_nodes, key=position.__getitem__)
-        storages = self._storages
 
         def structure() -> Any:
             flat = interpreter.fetch_args_kwargs_from_env(node)[0][0]
             return self.unflatten(flat) if self.unflatten is not None else flat
 
+        output = structure()
+        own_loss = inner_loss(output) if self.loss_fn is None else None
+        with _real_tensors_allowed(output):
+            return self._loss_stat(node, index, interpreter, position, counter, watcher,
+                                   saved_now, own, storage_index, value_storages, producers,
+                                   structure, output, own_loss)
+
+    def _loss_stat(self, node: fx.Node, index: int, interpreter: fx.Interpreter,
+                   position: dict[fx.Node, int], counter: FlopCounterMode, watcher: _OpWatcher,
+                   saved_now: list[torch.Tensor], own: Any, storage_index: dict[int, int],
+                   value_storages: dict[fx.Node, list[int]], producers: list[fx.Node],
+                   structure: Any, output: Any, own_loss: torch.Tensor | None) -> int:
+        env = interpreter.env
+        storages = self._storages
+
         def slots_of(nodes: list[fx.Node]) -> list[int]:
             return [slot for i in nodes for slot in value_storages.get(i, ())]
 
-        output = structure()
-        own_loss = inner_loss(output) if self.loss_fn is None else None
         flops = work = output_bytes = grad_size = 0
         random = False
         backward: tuple[int, tuple[int, ...], int] | None = None

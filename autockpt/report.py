@@ -108,14 +108,14 @@ def loss_summary(plan: Plan) -> str:
         >>> import torch, autockpt
         >>> net = torch.nn.Linear(64, 10)
         >>> loss_summary(autockpt.plan(net, (torch.randn(8, 64),)))
-        'not given, assumed an output-sized gradient (320 B); pass loss_fn'
+        'not given, assumed an output-sized gradient; pass loss_fn (320 B assumed)'
     """
     loss = plan.loss
     if loss is None:
         return "not priced"
     if loss.kind == "assumed":
-        return (f"not given, assumed an output-sized gradient ({format_bytes(loss.grad_bytes)});"
-                " pass loss_fn")
+        return (f"not given, assumed an output-sized gradient; pass loss_fn "
+                f"({format_bytes(loss.grad_bytes)} assumed)")
     if loss.kind == "inner":
         return "the model's own (output.loss); the rest of the output is dropped before backward"
     return (f"loss_fn {loss.name}: saves {format_bytes(loss.saved_bytes)}, sends "

@@ -12,7 +12,7 @@ import operator
 
 from autockpt.errors import InvalidArgumentError
 
-__all__ = ["format_bytes", "format_flops"]
+__all__ = ["format_bytes", "format_flops", "format_seconds"]
 
 _BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
@@ -85,3 +85,17 @@ def format_flops(flops: int) -> str:
         if abs(value) < 1000 or prefix == "P":
             return f"{value:.2f} {prefix}FLOP"
     raise AssertionError("unreachable")
+
+
+def format_seconds(seconds: float) -> str:
+    """``0.0004 -> "400 us"``, ``0.0123 -> "12.3 ms"``, ``2.5 -> "2.50 s"``.
+
+    Example:
+        >>> format_seconds(0.0123)
+        '12.3 ms'
+    """
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 measure_module = importlib.import_module("autockpt.measure")
 units_module = importlib.import_module("autockpt.units")
 from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.loss import default_loss
 from autockpt.measure import MemoryReport, measure, track_activation_memory
 from autockpt.units import format_bytes
 
@@ -265,7 +266,7 @@ def test_default_loss_walks_nested_outputs() -> None:
     model = Nested()
     x = torch.randn(2, 8)
     output = model(x)
-    loss = measure_module._default_loss(output)
+    loss = default_loss(output)
     assert loss is not None
     expected = output["first"].sum() + output["pair"][0].sum() + output["extra"].logits.sum()
     assert torch.allclose(loss, expected)
@@ -358,6 +359,102 @@ def test_non_leaf_inputs_do_not_leak_gradients_outside_the_model() -> None:
 # --------------------------------------------------------------------------------------
 # The tracker and its timeline
 # --------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------
+# The step users run: input forms, the model's own loss, accumulation, the optimizer
+# --------------------------------------------------------------------------------------
+
+
+def test_inputs_take_the_same_forms_as_apply() -> None:
+    model = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    expected = measure(model, (x,)).saved_bytes
+    assert measure(model, [x]).saved_bytes == expected
+    assert measure(model, {"input": x}).saved_bytes == expected
+
+
+class OwnLoss(nn.Module):
+    """Returns its loss beside its logits, as a Hugging Face model given ``labels=``."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_the_models_own_loss_is_the_default_and_its_logits_are_dropped() -> None:
+    torch.manual_seed(0)
+    model = OwnLoss(classes=1000)
+    batch = {"x": torch.randn(8, 16), "labels": torch.randint(0, 1000, (8,))}
+    dropped = measure(model, batch)
+    kept = measure(model, batch, loss_fn=lambda out: out["loss"])
+    # The same loss either way; a loop that holds the whole output keeps the logits through
+    # backward, one that keeps only ``.loss`` does not.
+    assert kept.saved_bytes - dropped.saved_bytes == 8 * 1000 * FLOAT
+    assert default_loss(model(**batch)) is not None
+
+
+def test_grad_accumulation_counts_the_weight_gradient_temporaries() -> None:
+    model = nn.Linear(1000, 1000)
+    x = torch.randn(4, 1000)
+    model.weight.grad = mine = torch.ones_like(model.weight)
+    fresh = measure(model, x)
+    accumulating = measure(model, x, grad_accumulation=True)
+    weight_bytes = 1000 * 1000 * FLOAT
+    # Fresh: the weight gradient becomes .grad and is not an activation. Accumulating: it is
+    # computed into a temporary that is added into the existing .grad.
+    assert fresh.peak_activation_bytes < weight_bytes // 100
+    assert weight_bytes <= accumulating.peak_activation_bytes <= weight_bytes + 4 * fresh.peak_activation_bytes
+    assert model.weight.grad is mine and bool((mine == 1).all())
+    assert model.bias.grad is None
+
+
+def test_optimizer_step_is_in_the_whole_step_and_everything_is_restored() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 10))
+    x = torch.randn(16, 1000)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    plain = measure(model, x)
+    report = measure(model, x, optimizer=optimizer, repeat=2)
+
+    assert plain.peak_total_bytes is None
+    assert "whole step" in str(report)
+    param_bytes = sum(p.numel() * FLOAT for p in model.parameters())
+    input_bytes = x.numel() * FLOAT
+    # Parameters, their gradients and AdamW's two moments exist at once during step(), plus
+    # the inputs; the per-tensor AdamW makes a few copies of one parameter on top.
+    least = 4 * param_bytes + input_bytes
+    largest = 1000 * 1000 * FLOAT
+    assert least < report.peak_total_bytes <= least + 3 * largest + report.peak_activation_bytes
+    # The activation figures do not change with the optimizer.
+    assert report.peak_activation_bytes == plain.peak_activation_bytes
+    for param, old in zip(model.parameters(), before):
+        assert torch.equal(param, old)
+        assert param.grad is None
+    assert not optimizer.state
+
+
+def test_optimizer_state_that_exists_is_counted_as_it_is() -> None:
+    model = nn.Linear(1000, 1000)
+    x = torch.randn(4, 1000)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    first = measure(model, x, optimizer=optimizer).peak_total_bytes
+    model(x).sum().backward()
+    optimizer.step()
+    state = {k: v.clone() for k, v in optimizer.state[model.weight].items()}
+    weight = model.weight.detach().clone()
+    model.zero_grad()
+    later = measure(model, x, optimizer=optimizer).peak_total_bytes
+    assert first is not None and later is not None
+    # Made inside the first step, already there before a later one: the same bytes.
+    assert abs(later - first) < 1000 * FLOAT
+    assert all(torch.equal(v, optimizer.state[model.weight][k]) for k, v in state.items())
+    assert torch.equal(model.weight, weight)
 
 
 def test_timeline_and_marks(plain_reports: dict[int, MemoryReport]) -> None:
@@ -489,19 +586,20 @@ def _small() -> nn.Module:
     ("call", "needle"),
     [
         (lambda: measure("model", torch.randn(2, 4)), "must be a torch.nn.Module"),  # type: ignore[arg-type]
-        (lambda: measure(_small(), [torch.randn(2, 4)]), "got a list"),  # type: ignore[arg-type]
-        (lambda: measure(_small(), {"x": torch.randn(2, 4)}), "got a mapping"),  # type: ignore[arg-type]
         (lambda: measure(_small(), 3), "got int"),  # type: ignore[arg-type]
         (lambda: measure(_small(), torch.randn(2, 5)), "Linear.forward raised RuntimeError"),
         (lambda: measure(_small(), (), example_kwargs={"input": torch.randn(2, 4)}, warmup=-1), "warmup"),
         (lambda: measure(_small(), torch.randn(2, 4), repeat=0), "repeat"),
         (lambda: measure(_small(), torch.randn(2, 4), example_kwargs=[1]), "example_kwargs"),  # type: ignore[arg-type]
-        (lambda: measure(_small(), torch.randn(2, 4), loss_fn="mse"), "loss_fn must be callable"),  # type: ignore[arg-type]
+        (lambda: measure(_small(), torch.randn(2, 4), loss_fn=3), "loss_fn must be callable"),  # type: ignore[arg-type]
+        (lambda: measure(_small(), torch.randn(2, 4), loss_fn="nope"), "unknown loss"),
+        (lambda: measure(_small(), torch.randn(2, 4), optimizer="adam"), "torch.optim.Optimizer"),  # type: ignore[arg-type]
+        (lambda: measure(_small(), torch.randn(2, 4), grad_accumulation=1), "grad_accumulation"),  # type: ignore[arg-type]
         (lambda: measure(_small(), torch.randn(2, 4), loss_fn=lambda o: o), "scalar tensor"),
         (lambda: measure(_small(), torch.randn(2, 4), loss_fn=lambda o: o.sum().item()), "scalar tensor"),
         (lambda: measure(_small(), torch.randn(2, 4), loss_fn=lambda o: o.detach().sum()), "does not require grad"),
         (lambda: measure(_small(), torch.randn(2, 4), loss_fn=lambda o: o.no_such_attribute), "loss_fn raised"),
-        (lambda: measure(_small().requires_grad_(False), torch.randn(2, 4)), "no backward to measure"),
+        (lambda: measure(_small().requires_grad_(False), torch.randn(2, 4)), "so there is no backward"),
         (lambda: measure(nn.LazyLinear(4), torch.randn(2, 4)), "not initialized"),
     ],
 )

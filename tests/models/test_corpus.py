@@ -4,8 +4,8 @@ For every corpus case, at half the estimated peak without checkpointing and at t
 reachable peak, in both checkpoint modes: ``apply`` keeps the state_dict keys and the very same
 Parameter objects; one training step gives the loss, every parameter gradient and every buffer
 of an identically seeded twin that runs without autockpt (dropout included: both steps start
-from the same seed); and the measured peak activation memory of that step stays within the
-budget plus the documented slack.
+from the same seed); and the measured peak activation memory of that step, with the case's own loss planned
+(``loss_fn=``) and measured, stays within the budget plus the documented slack.
 
 Run alone with ``python -m pytest -m models tests/models`` (needs ``pip install -e
 ".[models]"``); a case whose package is missing is skipped.
@@ -39,7 +39,8 @@ def _baseline_and_least(case: CorpusCase, model: nn.Module, mode: str) -> tuple[
     key = (case.name, mode)
     if key not in _probes:
         args, kwargs = case.inputs()
-        probe = autockpt.plan(model, args, example_kwargs=kwargs, mode=mode)
+        probe = autockpt.plan(model, args, example_kwargs=kwargs, mode=mode,
+                              loss_fn=case.loss_fn)
         _probes[key] = (probe.baseline_peak_bytes, probe.min_peak_bytes)
     return _probes[key]
 
@@ -109,8 +110,9 @@ def test_checkpointed_training_step(case: CorpusCase, budget: str, mode: str) ->
     args, kwargs = case.inputs()
     what = f"{case.name} at {budget} ({budget_bytes} B, {mode})"
 
+    # The case's own loss is planned too: the budget is for the step users run.
     apply_kwargs: dict[str, Any] = {"example_inputs": args, "example_kwargs": kwargs,
-                                    "mode": mode}
+                                    "mode": mode, "loss_fn": case.loss_fn}
     try:
         transformed = autockpt.apply(model, budget_bytes / MIB, **apply_kwargs)
     except autockpt.InfeasibleBudgetError as err:
