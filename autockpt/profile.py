@@ -20,6 +20,7 @@ from typing import Any
 
 import contextlib
 import functools
+import itertools
 import weakref
 from dataclasses import replace
 from collections.abc import Iterator
@@ -217,8 +218,26 @@ def _unannotated_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return [t for i in stats for t in _tensors(value(i))]
 
 
+# NOTE [ Storage keys ]
+# A storage's address (``_cdata``) is reused as soon as the storage is freed, and profiling
+# frees storages all the time (each probe's copies, the loss's targets), so a set of
+# addresses of "old" storages would take a new storage at a reused address for an old one and
+# leave it out of a working set: the estimate would then depend on where the allocator put
+# things, and differ from one run to the next. A key is instead a serial number given to the
+# storage object the first time it is seen; storages keep their Python object for as long as
+# they live, and a weak key dictionary forgets the dead ones.
+_KEYS: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = weakref.WeakKeyDictionary()
+_SERIALS = itertools.count(1)
+
+
 def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
+    """A number for ``tensor``'s storage that no other storage ever gets (NOTE [ Storage keys
+    ])."""
+    storage = tensor.untyped_storage()
+    key = _KEYS.get(storage)
+    if key is None:
+        key = _KEYS[storage] = next(_SERIALS)
+    return key
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
