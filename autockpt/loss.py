@@ -95,8 +95,12 @@ def default_loss(output: Any) -> torch.Tensor | None:
         tensor(12., grad_fn=<SumBackward0>)
     """
     own = inner_loss(output)
-    if own is not None:
-        return own
+    return own if own is not None else _sum_of_outputs(output)
+
+
+def _sum_of_outputs(output: Any) -> torch.Tensor | None:
+    # ``t.sum(dtype=float32)`` reduces a half-precision output in float32 without the
+    # output-sized copy that ``t.float().sum()`` would make.
     total: torch.Tensor | None = None
     for tensor in output_tensors(output):
         if not (tensor.is_floating_point() and tensor.requires_grad):
@@ -163,14 +167,14 @@ def mse_loss(output: Any) -> torch.Tensor:
 
 
 def sum_loss(output: Any) -> torch.Tensor:
-    """The sum of every floating-point output tensor that requires grad (:func:`default_loss`
-    without the model's own loss); it sends no output-sized gradient.
+    """The sum of every floating-point output tensor that requires grad, the model's own loss
+    among them if it returns one; it sends no output-sized gradient.
 
     Example:
         >>> sum_loss(torch.ones(2, 3, requires_grad=True)).item()
         6.0
     """
-    total = default_loss(output)
+    total = _sum_of_outputs(output)
     if total is None:
         raise InvalidArgumentError("the output holds no floating-point tensor that requires grad",
                                    fix="check that the model has trainable parameters")
