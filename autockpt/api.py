@@ -134,6 +134,8 @@ def apply(
         )
     if plan is not None:
         mode = plan.mode  # a plan's memory estimate holds for the mode it was made for
+        # The step it was made for travels with it (the accumulation warning reads it).
+        step["grad_accumulation"] = plan.grad_accumulation
     config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan,
                          capture=capture, cost=cost, **step)
     # A transformed module can be applied again: the new one shares the same tree.

@@ -8,6 +8,7 @@ with the plan's estimate and budget.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -267,15 +268,16 @@ def test_allocated_grads_in_a_plan_for_fresh_ones_warn_once_with_the_fix() -> No
     ckpt(x).sum().backward()  # .grad is None before this step: no warning
     with pytest.warns(autockpt.BudgetWarning, match="grad_accumulation=True"):
         ckpt(x).sum().backward()
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ckpt(x).sum().backward()  # once only
     quiet = autockpt.apply(model, example_inputs=(x,), grad_accumulation=True)
+    accumulating = autockpt.plan(model, (x,), grad_accumulation=True)
+    from_plan = autockpt.apply(model, plan=accumulating, example_inputs=(x,))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet(x).sum().backward()
+        from_plan(x).sum().backward()  # the plan says it was made for accumulation
 
 
 # --------------------------------------------------------------------------- whole device
