@@ -1,15 +1,32 @@
 """The ``autockpt`` command line: see the plan, the memory and what checkpointing costs.
 
-    autockpt plan     MODEL --input SHAPE [...] [--budget-mb N | --budget P%] [--plot F] [--json]
-    autockpt bench    MODEL --input SHAPE [...] [--budgets 100,50,25] [--json]
-    autockpt diagnose MODEL --input SHAPE [...] [--json]
+    autockpt plan     MODEL --input SHAPE [...] [--budget-mb N | --budget P% | --total-mb N]
+                      [STEP] [--plot F] [--json]
+    autockpt bench    MODEL --input SHAPE [...] [--budgets 100,50,25] [--total-mb N] [STEP]
+                      [--json]
+    autockpt diagnose MODEL --input SHAPE [...] [--loss NAME] [--json]
     autockpt lint     train.py [--json]
+
+    STEP: [--loss cross_entropy|mse|sum] [--grad-accumulation] [--optimizer adamw|adam|sgd]
 
 ``MODEL`` is ``package.module:factory`` or ``path/to/file.py:factory``; the factory is a class
 or a function called with no arguments that returns an ``nn.Module`` (a module instance is
 taken as it is). ``--input`` gives one positional input: dimensions joined by ``x``, with an
 optional ``:dtype`` (``--input 16x128:int64``); repeat it, or separate shapes with ``;``, for
 several inputs. Integer inputs are random ids in ``[0, --vocab)``.
+
+The step planned, measured and diagnosed is ``loss(model(*inputs)).backward()``. Without
+``--loss`` the loss is the library's default (NOTE [ The default loss ] in
+:mod:`autockpt.loss`: the model's own loss when its output holds one, else the sum of its
+floating outputs); ``--loss`` names one of :data:`autockpt.loss.NAMED_LOSSES` instead:
+``cross_entropy`` (fixed random targets, classes in the last dimension), ``mse`` (against
+zeros) or ``sum``. ``--grad-accumulation`` plans and measures steps in which ``.grad`` is
+already allocated. ``--total-mb`` is a budget for the whole device rather than for activations
+(so it excludes ``--budget-mb`` and ``--budget``): parameters, gradients, the state of
+``--optimizer`` (AdamW, Adam, or SGD with momentum; none without it, and it needs
+``--total-mb``) and the inputs are taken off it first, and the measured step runs the
+optimizer's ``step()`` too. ``bench`` adds a row ``total`` for it to its sweep. ``--json``
+output names the loss (``"default"`` without ``--loss``) and the step's settings.
 
 Errors the user can fix print one line, ``autockpt: error: ... (fix: ...)``, and exit with
 status 2; ``--debug`` adds the traceback. ``diagnose`` and ``lint`` exit with status 1 when
@@ -19,7 +36,8 @@ prints.
 # NOTE [ Adding a subcommand ]
 A subcommand is one function decorated with :func:`subcommand`, which names it, gives its
 help and the argument groups it takes (:func:`model_arguments` for MODEL and the inputs,
-:func:`planning_arguments` for mode and strategy), and receives the parsed arguments and the
+:func:`planning_arguments` for mode and strategy, :func:`loss_arguments` and
+:func:`step_arguments` for the training step), and receives the parsed arguments and the
 :class:`Ui` to print with. :func:`load_session` turns the arguments into a model and inputs,
 with the helpful errors. ``diagnose`` below is the shortest example.
 """
@@ -48,11 +66,17 @@ from torch import nn
 import autockpt
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.findings import Report
+from autockpt.loss import NAMED_LOSSES, LossFn, named_loss
 from autockpt.measure import MemoryReport
-from autockpt.units import format_seconds as _format_seconds
 from autockpt.planner import BUDGET_SLACK, MODES, STRATEGIES, Plan
-from autockpt.report import PLAN_COLUMNS, PLAN_COLUMNS_RIGHT, format_table, plan_rows, plan_summary
-from autockpt.units import format_bytes
+from autockpt.report import (
+    PLAN_COLUMNS,
+    PLAN_COLUMNS_RIGHT,
+    format_table,
+    plan_rows,
+    plan_summary,
+)
+from autockpt.units import format_bytes, format_seconds
 
 __all__ = [
     "EXIT_FINDINGS",
@@ -65,27 +89,38 @@ __all__ = [
     "build_parser",
     "load_model",
     "load_session",
+    "loss_arguments",
     "main",
     "model_arguments",
     "parse_budget_percent",
     "parse_inputs",
     "plan_json",
     "planning_arguments",
+    "step_arguments",
     "subcommand",
 ]
 
 EXIT_OK = 0
 """Exit status of a command that did what it was asked."""
 EXIT_INTERNAL = 1
+"""Exit status when autockpt itself failed (a bug: rerun with ``--debug`` and report it)."""
 EXIT_FINDINGS = 1
 """``diagnose`` and ``lint`` found an error-severity problem."""
-"""Exit status when autockpt itself failed (a bug: rerun with ``--debug`` and report it)."""
 EXIT_USAGE = 2
 """Exit status of a usage error or an error the user can fix (as argparse uses it)."""
 
 MIB = 2**20
 DEFAULT_SWEEP = (100, 90, 80, 70, 60, 50, 40, 30, 20, 10)
 """Budgets ``bench`` tries, in percent of the estimated peak without checkpointing."""
+_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params),
+    "adam": lambda params: torch.optim.Adam(params),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+"""What ``--optimizer`` builds on the model's parameters, for ``--total-mb`` to count its
+state."""
+_ROOMY_MB = float(2**30)
+"""A ``--total-mb`` (a pebibyte) that any step fits in, to learn the least one it needs."""
 
 
 # --------------------------------------------------------------------------- parsing
@@ -585,13 +620,53 @@ def planning_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 3)")
 
 
+def loss_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--loss``.
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> loss_arguments(parser)
+        >>> parser.parse_args([]).loss, parser.parse_args(["--loss", "mse"]).loss
+        (None, 'mse')
+    """
+    parser.add_argument("--loss", choices=list(NAMED_LOSSES), metavar="NAME",
+                        help="the loss of the step: cross_entropy (fixed random targets, "
+                        "classes in the last dimension), mse (against zeros) or sum (default: "
+                        "the model's own loss when it returns one, else the sum of its "
+                        "floating outputs)")
+
+
+def step_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--loss``, ``--grad-accumulation``, ``--total-mb`` and ``--optimizer``.
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> step_arguments(parser)
+        >>> args = parser.parse_args(["--total-mb", "8000", "--optimizer", "adamw"])
+        >>> args.total_mb, args.optimizer, args.grad_accumulation
+        (8000.0, 'adamw', False)
+    """
+    loss_arguments(parser)
+    parser.add_argument("--grad-accumulation", action="store_true",
+                        help="plan and measure steps in which .grad is already allocated "
+                        "(gradient accumulation)")
+    parser.add_argument("--total-mb", type=float, metavar="MIB",
+                        help="a budget for the whole device, in MiB, instead of one for "
+                        "activations: they get what parameters, gradients, optimizer state and "
+                        "inputs leave of it (bench: one more row, 'total')")
+    parser.add_argument("--optimizer", choices=list(_OPTIMIZERS),
+                        help="with --total-mb: the optimizer whose state it counts and whose "
+                        "step() is measured: AdamW, Adam, or SGD with momentum (default: none)")
+
+
 def _plan_only_arguments(parser: argparse.ArgumentParser) -> None:
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--budget-mb", type=float, metavar="MIB",
                         help="peak activation memory allowed, in MiB")
     budget.add_argument("--budget", metavar="P%",
                         help="budget as a percentage of the estimated peak without "
-                        "checkpointing, e.g. 50%%; without a budget: the least reachable")
+                        "checkpointing, e.g. 50%%; without a budget (nor --total-mb): the least "
+                        "reachable")
     parser.add_argument("--plot", metavar="FILE",
                         help="draw the memory picture to FILE (.png, .svg or .pdf); needs "
                         "matplotlib")
@@ -603,7 +678,8 @@ def _bench_only_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_SWEEP)),
                         metavar="P,P,...",
                         help="budgets in percent of the estimated peak without checkpointing "
-                        "(default 100,90,...,10); the least reachable is always added")
+                        "(default 100,90,...,10); the least reachable is always added, and "
+                        "--total-mb as the row 'total'")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -617,7 +693,104 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _budget_for(session: Session, args: argparse.Namespace, mode: str, strategy: str
+@dataclass(frozen=True)
+class _Step:
+    """The training step a command plans and measures (:func:`step_arguments`)."""
+
+    loss_name: str | None
+    """``--loss``; None for the library's default loss."""
+    loss_fn: LossFn | None
+    """The loss ``--loss`` names; None for the default."""
+    grad_accumulation: bool
+    """``--grad-accumulation``."""
+    total_mb: float | None
+    """``--total-mb``."""
+    optimizer_name: str | None
+    """``--optimizer``."""
+    optimizer: torch.optim.Optimizer | None
+    """The optimizer ``--optimizer`` built on the model's parameters."""
+
+    def planning(self) -> dict[str, Any]:
+        """Keywords of :func:`autockpt.plan` for a plan under an activation budget."""
+        return {"loss_fn": self.loss_fn, "grad_accumulation": self.grad_accumulation}
+
+    def whole_device(self) -> dict[str, Any]:
+        """Keywords of :func:`autockpt.plan` for a plan under ``--total-mb``."""
+        return {**self.planning(), "total_mb": self.total_mb, "optimizer": self.optimizer}
+
+    def measuring(self) -> dict[str, Any]:
+        """Keywords of :func:`autockpt.measure` for the same step (the optional ones only
+        when asked for)."""
+        kwargs: dict[str, Any] = {"loss_fn": self.loss_fn}
+        if self.grad_accumulation:
+            kwargs["grad_accumulation"] = True
+        if self.optimizer is not None:
+            kwargs["optimizer"] = self.optimizer
+        return kwargs
+
+    def describe(self) -> str:
+        """What one measured step runs, for the line above the measured numbers.
+
+        Example:
+            >>> _Step("mse", None, True, None, None, None).describe()
+            'one forward + backward of --loss mse into allocated .grad'
+        """
+        loss = f"--loss {self.loss_name}" if self.loss_name else "the default loss"
+        text = f"one forward + backward of {loss}"
+        if self.grad_accumulation:
+            text += " into allocated .grad"
+        if self.optimizer is not None:
+            text += f" + {type(self.optimizer).__name__}.step()"
+        return text
+
+    def json(self) -> dict[str, Any]:
+        """The step, for ``--json``."""
+        return {"loss": self.loss_name or "default", "grad_accumulation": self.grad_accumulation,
+                "total_mb": self.total_mb, "optimizer": self.optimizer_name}
+
+
+def _check_step_arguments(args: argparse.Namespace) -> None:
+    """Refuse contradictory step flags before minutes of loading and planning."""
+    total_mb = args.total_mb
+    if total_mb is not None and (not math.isfinite(total_mb) or total_mb <= 0):
+        raise InvalidArgumentError(
+            f"--total-mb must be a positive number of MiB, got {total_mb:g}",
+            fix="write the memory of the whole device, e.g. --total-mb 24000",
+        )
+    given = [flag for flag, value in (("--budget-mb", getattr(args, "budget_mb", None)),
+                                      ("--budget", getattr(args, "budget", None)))
+             if value is not None]
+    if total_mb is not None and given:
+        raise InvalidArgumentError(
+            f"pass either --total-mb (a budget for the whole device) or {given[0]} (a budget "
+            "for activations alone), not both",
+            fix=f"keep --total-mb {total_mb:g} to plan for the whole device, or drop it",
+        )
+    if args.optimizer is not None and total_mb is None:
+        raise InvalidArgumentError(
+            "--optimizer only matters with --total-mb: its state takes device memory, not "
+            "activation memory",
+            fix=f"add --total-mb with the MiB of your device, or drop --optimizer {args.optimizer}",
+        )
+
+
+def _step_of(args: argparse.Namespace, session: Session) -> _Step:
+    """The step from :func:`step_arguments` (already checked), its optimizer built on the
+    session's model."""
+    optimizer = None
+    if args.optimizer is not None:
+        optimizer = _OPTIMIZERS[args.optimizer](session.model.parameters())
+    return _Step(
+        loss_name=args.loss,
+        loss_fn=named_loss(args.loss) if args.loss is not None else None,
+        grad_accumulation=args.grad_accumulation,
+        total_mb=args.total_mb,
+        optimizer_name=args.optimizer,
+        optimizer=optimizer,
+    )
+
+
+def _budget_for(session: Session, args: argparse.Namespace, step: _Step
                 ) -> tuple[float | None, Plan | None]:
     """``budget_mb`` for :func:`autockpt.plan`, and the unbudgeted plan if one was needed to
     turn a percentage into MiB."""
@@ -631,7 +804,8 @@ def _budget_for(session: Session, args: argparse.Namespace, mode: str, strategy:
     if args.budget is None:
         return None, None
     fraction = parse_budget_percent(args.budget)
-    free = autockpt.plan(session.model, session.inputs, mode=mode, strategy=strategy)
+    free = autockpt.plan(session.model, session.inputs, mode=args.mode, strategy=args.strategy,
+                         **step.planning())
     return _mib(fraction * free.baseline_peak_bytes), free
 
 
@@ -640,10 +814,19 @@ def _mib(num_bytes: float) -> float:
     return (num_bytes + 0.5) / MIB
 
 
-def _infeasible(err: InfeasibleBudgetError, session: Session, mode: str, strategy: str
-                ) -> InvalidArgumentError:
+def _infeasible(err: InfeasibleBudgetError, session: Session, mode: str, strategy: str,
+                step: _Step) -> InvalidArgumentError:
     """Restate an infeasible budget with the command-line flags that would work."""
-    free = autockpt.plan(session.model, session.inputs, mode=mode, strategy=strategy)
+    if step.total_mb is not None:
+        total = math.ceil(_least_total(err, session, mode, strategy, step) / MIB * 100) / 100
+        lighter = (", --optimizer sgd (half the state of Adam)"
+                   if step.optimizer_name in ("adam", "adamw") else "")
+        return InvalidArgumentError(
+            err.message.replace("total_mb", "--total-mb"),
+            fix=f"pass --total-mb {total:.2f} or more{lighter}, or use smaller inputs",
+        )
+    free = autockpt.plan(session.model, session.inputs, mode=mode, strategy=strategy,
+                         **step.planning())
     least = err.min_feasible_bytes
     mib = math.ceil(least / MIB * 100) / 100
     percent = math.ceil(100 * least / free.baseline_peak_bytes) if free.baseline_peak_bytes else 100
@@ -656,20 +839,48 @@ def _infeasible(err: InfeasibleBudgetError, session: Session, mode: str, strateg
     )
 
 
-def _measure_all(models: Sequence[nn.Module], session: Session, steps: int,
+def _least_total(err: InfeasibleBudgetError, session: Session, mode: str, strategy: str,
+                 step: _Step) -> int:
+    """The least ``--total-mb`` (in bytes) that holds the step, after ``err`` refused one."""
+    # When the fixed memory alone does not fit, the error's least is that part alone: a
+    # budget with room to spare shows the whole step's, activations and step() included.
+    roomy = autockpt.plan(session.model, session.inputs, mode=mode, strategy=strategy,
+                          **{**step.whole_device(), "total_mb": _ROOMY_MB})
+    if roomy.device is None:
+        return err.min_feasible_bytes
+    device = roomy.device
+    return max(err.min_feasible_bytes,
+               device.fixed_bytes + max(roomy.min_peak_bytes, device.optimizer_step_bytes))
+
+
+def _measure_all(models: Sequence[nn.Module], session: Session, steps: int, step: _Step,
                  advance: Callable[[str], None] | None = None) -> list[MemoryReport]:
     """Memory of one tracked step of each model; step time as the median over ``steps``
     rounds that time every model once in turn, so that a burst of load on a shared machine
     hits them alike instead of skewing one."""
-    reports = [autockpt.measure(m, session.inputs, warmup=1) for m in models]
+    kwargs = step.measuring()
+    reports = [autockpt.measure(m, session.inputs, warmup=1, **kwargs) for m in models]
     times: list[list[float]] = [[] for _ in models]
     for round_number in range(steps):
         for model, samples in zip(models, times):
-            samples.append(autockpt.measure(model, session.inputs).step_seconds)
+            samples.append(autockpt.measure(model, session.inputs, **kwargs).step_seconds)
         if advance is not None:
             advance(f"timing round {round_number + 1}/{steps}")
     return [dataclasses.replace(r, step_seconds=statistics.median(t))
             for r, t in zip(reports, times)]
+
+
+def _check_plot_path(path: str) -> None:
+    """Refuse a ``--plot`` file whose extension names no picture format, or a missing
+    matplotlib, before the model is loaded."""
+    from autockpt.plot import PICTURE_FORMATS, require_matplotlib
+
+    if Path(path).suffix.lower() not in PICTURE_FORMATS:
+        raise InvalidArgumentError(
+            f"cannot tell the picture format of {path!r} from its extension",
+            fix=f"name the file with one of {', '.join(PICTURE_FORMATS)}, e.g. memory.png",
+        )
+    require_matplotlib()
 
 
 def _rounds(count: int) -> str:
@@ -684,6 +895,7 @@ def _report_json(report: MemoryReport) -> dict[str, Any]:
         "backward_peak_bytes": report.backward_peak_bytes,
         "step_seconds": report.step_seconds,
         "cuda_max_memory_allocated_bytes": report.cuda_max_memory_allocated_bytes,
+        "peak_total_bytes": report.peak_total_bytes,
     }
 
 
@@ -704,31 +916,35 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 
 
 @subcommand("plan", "plan checkpoints under a budget, apply them and measure the peak before "
-            "and after", model_arguments, planning_arguments, _plan_only_arguments)
+            "and after", model_arguments, planning_arguments, step_arguments,
+            _plan_only_arguments)
 def _plan_command(args: argparse.Namespace, ui: Ui) -> int:
+    _check_step_arguments(args)
     if args.plot is not None:
-        from autockpt.plot import _check_path, require_matplotlib
-
-        _check_path(args.plot)  # fail before minutes of work, not after
-        require_matplotlib()
+        _check_plot_path(args.plot)  # fail before minutes of work, not after
     session = load_session(args)
-    budget_mb, _ = _budget_for(session, args, args.mode, args.strategy)
+    step = _step_of(args, session)
+    budget_mb, _ = _budget_for(session, args, step)
+    budget = step.whole_device() if step.total_mb is not None else {
+        "budget_mb": budget_mb, **step.planning()}
     try:
-        plan = autockpt.plan(session.model, session.inputs, budget_mb=budget_mb, mode=args.mode,
-                             strategy=args.strategy)
+        plan = autockpt.plan(session.model, session.inputs, mode=args.mode,
+                             strategy=args.strategy, **budget)
     except InfeasibleBudgetError as err:
-        raise _infeasible(err, session, args.mode, args.strategy) from err
+        raise _infeasible(err, session, args.mode, args.strategy, step) from err
     ckpt = autockpt.apply(session.model, plan=plan, example_inputs=session.inputs)
-    before, after = _measure_all([session.model, ckpt], session, args.steps)
+    before, after = _measure_all([session.model, ckpt], session, args.steps, step)
     if args.plot is not None:
         from autockpt.plot import plot_memory
 
-        plot_memory(session.model, session.inputs, plan=plan, path=args.plot)
+        plot_memory(session.model, session.inputs, plan=plan, path=args.plot,
+                    loss_fn=step.loss_fn)
 
     if args.json:
         ui.json({
             "autockpt_version": autockpt.__version__,
             "model_spec": session.name,
+            **step.json(),
             "plan": plan_json(plan),
             "measured": {
                 "device": before.device,
@@ -741,16 +957,16 @@ def _plan_command(args: argparse.Namespace, ui: Ui) -> int:
         return EXIT_OK
     _print_plan(ui, plan)
     ui.text()
-    ui.text(f"measured on {before.device} (autockpt.measure: one forward + backward, "
-            f"median step time of {_rounds(args.steps)}, interleaved)")
+    ui.text(f"measured on {before.device} (autockpt.measure: {step.describe()}, median step "
+            f"time of {_rounds(args.steps)}, interleaved)")
     change = after.peak_activation_bytes / before.peak_activation_bytes - 1 \
         if before.peak_activation_bytes else 0.0
     ratio = after.step_seconds / before.step_seconds if before.step_seconds else math.nan
     rows = [
         ["without autockpt", format_bytes(before.peak_activation_bytes), "",
-         _format_seconds(before.step_seconds), ""],
+         format_seconds(before.step_seconds), ""],
         ["with this plan", format_bytes(after.peak_activation_bytes), f"{100 * change:+.1f}%",
-         _format_seconds(after.step_seconds), f"{ratio:.2f}x"],
+         format_seconds(after.step_seconds), f"{ratio:.2f}x"],
     ]
     styles: list[str | None] = [None, None]
     if plan.budget_bytes is not None:
@@ -758,6 +974,13 @@ def _plan_command(args: argparse.Namespace, ui: Ui) -> int:
         rows.append(["budget", format_bytes(plan.budget_bytes), "", "",
                      "met" if within else "measured peak is over it"])
         styles.append("green" if within else "bold red")
+    if plan.device is not None and after.peak_total_bytes is not None:
+        # What --total-mb is about: the whole step, optimizer state and step() included.
+        total = plan.device.total_bytes
+        fits = after.peak_total_bytes <= total
+        rows.append(["whole step", format_bytes(after.peak_total_bytes), "", "",
+                     f"{'within' if fits else 'over'} --total-mb {format_bytes(total)}"])
+        styles.append("green" if fits else "bold red")
     ui.table(["", "peak activations", "change", "step", "time"], rows,
              right=[False, True, True, True, False], styles=styles)
     if args.plot is not None:
@@ -771,53 +994,71 @@ class _BenchRow:
     """One budget of the sweep."""
 
     label: str
-    """``"50%"`` or ``"least"``."""
+    """``"50%"``, ``"total"`` (``--total-mb``) or ``"least"``."""
     budget_bytes: int | None
-    """The budget; None for the least reachable."""
+    """The activation budget; None for the least reachable, and for ``total`` when the whole
+    device cannot hold the step."""
     plan: Plan | None
     """The plan made for it; None when the budget is infeasible."""
     report: MemoryReport | None
     """The measurement of that plan (shared by budgets that give the same segments)."""
     least_bytes: int
-    """The least estimated peak reachable, for infeasible rows."""
+    """The least estimated peak reachable, for infeasible rows (of the whole device for
+    ``total``)."""
+    total_bytes: int | None = None
+    """``--total-mb`` in bytes, for the ``total`` row."""
 
 
 @subcommand("bench", "sweep budgets: estimated and measured peak, recompute and step time",
-            model_arguments, planning_arguments, _bench_only_arguments)
+            model_arguments, planning_arguments, step_arguments, _bench_only_arguments)
 def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
+    _check_step_arguments(args)
     percents = _parse_percent_list(args.budgets)
     session = load_session(args)
-    least = autockpt.plan(session.model, session.inputs, mode=args.mode, strategy=args.strategy)
+    step = _step_of(args, session)
+    least = autockpt.plan(session.model, session.inputs, mode=args.mode, strategy=args.strategy,
+                          **step.planning())
     baseline = least.baseline_peak_bytes
-    wanted: list[tuple[str, int | None]] = [
-        (f"{p:g}%", round(p / 100 * baseline)) for p in percents] + [("least", None)]
-    plans: list[tuple[str, int | None, Plan | None, int]] = []
+    # Each row: its label, its activation budget, and the keywords of autockpt.plan (None for
+    # the least-memory plan, made above).
+    wanted: list[tuple[str, int | None, dict[str, Any] | None]] = [
+        (f"{p:g}%", budget, {"budget_mb": _mib(budget), **step.planning()})
+        for p in percents for budget in [round(p / 100 * baseline)]]
+    total_bytes = None
+    if step.total_mb is not None:
+        total_bytes = int(step.total_mb * MIB)
+        wanted.append(("total", None, step.whole_device()))
+    wanted.append(("least", None, None))
+    plans: list[_BenchRow] = []
     # Budgets that lead to the same segments run the same code: each is measured once.
     distinct: dict[tuple[tuple[int, int], ...], int] = {}
     with ui.progress(len(wanted) + args.steps, "bench") as advance:
-        for label, budget in wanted:
+        for label, budget, kwargs in wanted:
+            total = total_bytes if label == "total" else None
             try:
-                plan = least if budget is None else autockpt.plan(
-                    session.model, session.inputs, budget_mb=_mib(budget), mode=args.mode,
-                    strategy=args.strategy)
+                plan = least if kwargs is None else autockpt.plan(
+                    session.model, session.inputs, mode=args.mode, strategy=args.strategy,
+                    **kwargs)
             except InfeasibleBudgetError as err:
-                plans.append((label, budget, None, err.min_feasible_bytes))
+                needs = err.min_feasible_bytes if total is None else _least_total(
+                    err, session, args.mode, args.strategy, step)
+                plans.append(_BenchRow(label, budget, None, None, needs, total))
                 advance(f"{label}: infeasible")
                 continue
-            plans.append((label, budget, plan, least.min_peak_bytes))
+            if label == "total":
+                budget = plan.budget_bytes  # what the whole device leaves to activations
+            plans.append(_BenchRow(label, budget, plan, None, least.min_peak_bytes, total))
             distinct.setdefault(_key(plan), len(distinct))
             advance(f"{label}: planned, {len(plan.segments)} segments")
         models: list[nn.Module] = [session.model]
-        for label, budget, plan, _ in plans:
-            if plan is not None and len(models) == 1 + distinct[_key(plan)]:
-                models.append(autockpt.apply(session.model, plan=plan,
+        for row in plans:
+            if row.plan is not None and len(models) == 1 + distinct[_key(row.plan)]:
+                models.append(autockpt.apply(session.model, plan=row.plan,
                                              example_inputs=session.inputs))
-        before, *reports = _measure_all(models, session, args.steps, advance)
-    rows = [
-        _BenchRow(label, budget, plan, None if plan is None else reports[distinct[_key(plan)]],
-                  least_bytes)
-        for label, budget, plan, least_bytes in plans
-    ]
+        before, *reports = _measure_all(models, session, args.steps, step, advance)
+    rows = [row if row.plan is None else
+            dataclasses.replace(row, report=reports[distinct[_key(row.plan)]])
+            for row in plans]
 
     if args.json:
         ui.json({
@@ -827,6 +1068,7 @@ def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
             "input_signature": least.input_signature,
             "mode": args.mode,
             "strategy": args.strategy,
+            **step.json(),
             "device": before.device,
             "timed_steps": args.steps,
             "baseline_estimated_peak_bytes": baseline,
@@ -837,26 +1079,39 @@ def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
         return EXIT_OK
     ui.text(f"autockpt bench: {least.model}({least.input_signature}), {args.mode}, "
             f"{args.strategy}, on {before.device}")
+    ui.text(f"  each step: {step.describe()}")
     ui.text(f"  without autockpt: estimated {format_bytes(baseline)}, measured "
             f"{format_bytes(before.peak_activation_bytes)}, step "
-            f"{_format_seconds(before.step_seconds)} (median of {_rounds(args.steps)})")
+            f"{format_seconds(before.step_seconds)} (median of {_rounds(args.steps)})")
     ui.text()
     table, styles = [], []
     for row in rows:
         budget = format_bytes(row.budget_bytes) if row.budget_bytes is not None else "none"
         if row.plan is None or row.report is None:
+            if row.total_bytes is not None:
+                budget = format_bytes(row.total_bytes)
+            whole = "" if row.total_bytes is None else "the whole device "
             table.append([row.label, budget, "infeasible", "", "", "", "",
-                          f"needs >= {format_bytes(row.least_bytes)}"])
+                          f"{whole}needs >= {format_bytes(row.least_bytes)}"])
             styles.append("dim")
             continue
         peak = row.report.peak_activation_bytes
         over = row.budget_bytes is not None and peak > row.budget_bytes * (1 + BUDGET_SLACK)
+        notes = []
+        if row.total_bytes is not None:
+            notes.append(f"what --total-mb {format_bytes(row.total_bytes)} leaves")
+        if over:
+            notes.append("measured peak over budget")
+        if row.total_bytes is not None and row.report.peak_total_bytes is not None \
+                and row.report.peak_total_bytes > row.total_bytes:
+            over = True
+            notes.append(f"whole step {format_bytes(row.report.peak_total_bytes)} over it")
         table.append([
             row.label, budget, format_bytes(row.plan.estimated_peak_bytes), format_bytes(peak),
             str(len(row.plan.segments)), f"{100 * row.plan.recompute_ratio:.1f}%",
             f"{row.report.step_seconds / before.step_seconds:.2f}x"
             if before.step_seconds else "",
-            "measured peak over budget" if over else "",
+            "; ".join(notes),
         ])
         styles.append("bold red" if over else None)
     ui.table(["budget", "bytes", "estimated", "measured", "segments", "recompute",
@@ -872,10 +1127,12 @@ def _json_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _show_report(ui: Ui, report: Report, as_json: bool) -> int:
+def _show_report(ui: Ui, report: Report, as_json: bool,
+                 extra: dict[str, Any] | None = None) -> int:
     if as_json:
         ui.json({
             "autockpt_version": autockpt.__version__,
+            **(extra or {}),
             "subject": report.subject,
             "errors": len(report.errors),
             "warnings": len(report.warnings),
@@ -887,10 +1144,13 @@ def _show_report(ui: Ui, report: Report, as_json: bool) -> int:
 
 
 @subcommand("diagnose", "run one training step on a copy and report the checkpointing "
-            "pitfalls found (exit 1 on errors)", model_arguments, _json_argument)
+            "pitfalls found (exit 1 on errors)", model_arguments, loss_arguments,
+            _json_argument)
 def _diagnose_command(args: argparse.Namespace, ui: Ui) -> int:
     session = load_session(args)
-    return _show_report(ui, autockpt.diagnose(session.model, session.inputs), args.json)
+    # diagnose takes the loss's name itself (None: the same default loss as plan and bench).
+    report = autockpt.diagnose(session.model, session.inputs, loss_fn=args.loss)
+    return _show_report(ui, report, args.json, {"loss": args.loss or "default"})
 
 
 def _lint_arguments(parser: argparse.ArgumentParser) -> None:
@@ -916,12 +1176,15 @@ def _key(plan: Plan) -> tuple[tuple[int, int], ...]:
 def _bench_row_json(row: _BenchRow, before: MemoryReport) -> dict[str, Any]:
     data: dict[str, Any] = {"label": row.label, "budget_bytes": row.budget_bytes,
                             "feasible": row.plan is not None}
+    if row.total_bytes is not None:
+        data["total_bytes"] = row.total_bytes
     if row.plan is None or row.report is None:
         data["min_feasible_bytes"] = row.least_bytes
         return data
     data.update({
         "estimated_peak_bytes": row.plan.estimated_peak_bytes,
         "measured_peak_bytes": row.report.peak_activation_bytes,
+        "measured_peak_total_bytes": row.report.peak_total_bytes,
         "segments": len(row.plan.segments),
         "recompute_flops": row.plan.recompute_flops,
         "recompute_ratio": row.plan.recompute_ratio,

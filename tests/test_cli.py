@@ -3,6 +3,7 @@ subprocess, checking what it prints and its exit status (0 done, 2 a usage or us
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -96,6 +97,8 @@ def test_plan_json_matches_autockpt_plan(tmp_path: Path) -> None:
     assert before == autockpt.measure(model, (x,)).peak_activation_bytes
     assert after < before and after <= 1.05 * budget
     assert measured["device"] == "cpu" and data["plot"] is None
+    assert (data["loss"], data["grad_accumulation"], data["total_mb"], data["optimizer"]) == (
+        "default", False, None, None)
 
 
 def test_plan_with_several_inputs_int_ids_and_reentrant_mode() -> None:
@@ -113,6 +116,81 @@ def test_plan_with_several_inputs_int_ids_and_reentrant_mode() -> None:
     assert code == 0, err.getvalue()
     assert json.loads(out.getvalue())["plan"]["input_signature"] == (
         "x=float32[4, 32], y=float32[4, 32]")
+
+
+def _in_process(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_plan_with_a_named_loss() -> None:
+    code, out, err = _in_process("plan", "tests.cli_models:TinyLM", "--input", "4x16:int64",
+                                 "--loss", "cross_entropy", "--json", "--steps", "1")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["loss"] == "cross_entropy"
+    # The plan prices that loss, as autockpt.plan with it does (its log-softmax saved, an
+    # output-sized gradient sent), not the default.
+    ids = torch.randint(0, 100, (4, 16))
+    expected = autockpt.plan(cli_models.TinyLM(), (ids,), loss_fn="cross_entropy")
+    assert expected.loss is not None
+    assert data["plan"]["loss"] == dataclasses.asdict(expected.loss)
+    assert data["plan"]["loss"]["name"] == "cross_entropy_loss"
+    assert data["plan"]["loss"]["saved_bytes"] > 0
+    code, out, err = _in_process("plan", "tests.cli_models:TinyLM", "--input", "4x16:int64",
+                                 "--loss", "cross_entropy", "--steps", "1")
+    assert code == 0, err
+    assert "loss            loss_fn cross_entropy_loss" in out
+    assert "one forward + backward of --loss cross_entropy" in out
+
+
+def test_plan_for_the_whole_device() -> None:
+    # Parameters and gradients of the MLP take 2.02 MiB: 2.07 MiB leaves ~52 KiB of its 72 KiB
+    # of activations, so something is checkpointed.
+    code, out, err = _in_process("plan", MLP, "--input", MLP_INPUT, "--total-mb", "2.07",
+                                 "--steps", "1")
+    assert code == 0, err
+    assert "whole device    2.07 MiB: parameters 1.01 MiB, gradients 1.01 MiB" in out
+    budget = next(line for line in out.splitlines() if line.startswith("budget "))
+    assert budget.rstrip().endswith("met")
+    code, out, err = _in_process("plan", MLP, "--input", MLP_INPUT, "--total-mb", "2.07",
+                                 "--json", "--steps", "1")
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["loss"], data["total_mb"], data["optimizer"]) == ("default", 2.07, None)
+    device = data["plan"]["device"]
+    assert device["total_bytes"] == int(2.07 * 2**20) and device["optimizer"] == "none"
+    assert data["plan"]["budget_bytes"] == device["total_bytes"] - (
+        device["parameter_bytes"] + device["gradient_bytes"] + device["input_bytes"])
+    assert data["plan"]["segments"]
+
+
+def test_plan_for_the_whole_device_with_an_optimizer() -> None:
+    # AdamW keeps two buffers per parameter: 2.02 MiB more, and its step() temporaries.
+    code, out, err = _in_process("plan", MLP, "--input", MLP_INPUT, "--total-mb", "4.5",
+                                 "--optimizer", "adamw", "--steps", "1")
+    assert code == 0, err
+    assert "whole device    4.50 MiB" in out and "AdamW state 2.02 MiB" in out
+    assert "+ AdamW.step()" in out
+    code, out, err = _in_process("plan", MLP, "--input", MLP_INPUT, "--total-mb", "4.5",
+                                 "--optimizer", "adamw", "--json", "--steps", "1")
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["total_mb"], data["optimizer"]) == (4.5, "adamw")
+    device = data["plan"]["device"]
+    assert device["optimizer"] == "AdamW" and device["optimizer_state_bytes"] > 0
+    fixed = (device["parameter_bytes"] + device["gradient_bytes"]
+             + device["optimizer_state_bytes"])
+    assert data["measured"]["with_plan"]["peak_total_bytes"] >= fixed
+
+
+def test_plan_with_grad_accumulation() -> None:
+    code, out, err = _in_process("plan", MLP, "--input", MLP_INPUT, "--grad-accumulation",
+                                 "--json", "--steps", "1")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["grad_accumulation"] is True and data["plan"]["grad_accumulation"] is True
 
 
 # --------------------------------------------------------------------------- bench
@@ -153,6 +231,37 @@ def test_bench_json() -> None:
     for row in (rows["100%"], rows["70%"], rows["least"]):
         assert row["estimated_peak_bytes"] > 0 and row["step_time_ratio"] > 0
     assert rows["70%"]["measured_peak_bytes"] <= 1.05 * rows["70%"]["budget_bytes"]
+    assert data["loss"] == "default" and data["total_mb"] is None
+
+
+def test_bench_with_a_loss_and_the_whole_device() -> None:
+    code, out, err = _in_process("bench", MLP, "--input", MLP_INPUT, "--budgets", "100,50",
+                                 "--loss", "mse", "--total-mb", "2.07", "--json", "--steps", "1")
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["loss"], data["total_mb"], data["optimizer"]) == ("mse", 2.07, None)
+    rows = {row["label"]: row for row in data["rows"]}
+    assert list(rows) == ["100%", "50%", "total", "least"]
+    total = rows["total"]
+    expected = autockpt.plan(cli_models.mlp(), (torch.randn(8, 128),), loss_fn="mse",
+                             total_mb=2.07)
+    assert total["feasible"] and total["total_bytes"] == int(2.07 * 2**20)
+    assert total["budget_bytes"] == expected.budget_bytes
+    assert total["estimated_peak_bytes"] == expected.estimated_peak_bytes
+    assert total["measured_peak_bytes"] <= 1.05 * total["budget_bytes"]
+    # The percentages are of the peak planned with that loss.
+    with_mse = autockpt.plan(cli_models.mlp(), (torch.randn(8, 128),), loss_fn="mse")
+    assert data["baseline_estimated_peak_bytes"] == with_mse.baseline_peak_bytes
+
+    # Too small a device: the row says so, the others are still measured.
+    code, out, err = _in_process("bench", MLP, "--input", MLP_INPUT, "--budgets", "100",
+                                 "--total-mb", "2", "--steps", "1")
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if line.startswith("total"))
+    assert "2.00 MiB" in row and "infeasible" in row
+    # The least that holds the whole step (plan's fix rounds it up: --total-mb 2.06).
+    assert "the whole device needs >= 2.05 MiB" in row
+    assert "each step: one forward + backward of the default loss" in out
 
 
 # --------------------------------------------------------------------------- errors
@@ -185,6 +294,22 @@ ERRORS = {
     "budget without %": (["plan", MLP, "--input", MLP_INPUT, "--budget", "50"],
                          ["percentage", "--budget-mb"]),
     "usage": (["plan", MLP], ["required: --input", "autockpt plan --help"]),
+    "total with budget-mb": (["plan", MLP, "--input", MLP_INPUT, "--total-mb", "100",
+                              "--budget-mb", "1"], ["--total-mb", "--budget-mb", "not both"]),
+    "total with budget": (["plan", MLP, "--input", MLP_INPUT, "--budget", "50%", "--total-mb",
+                           "100"], ["--total-mb", "--budget ", "not both"]),
+    "optimizer without total": (["plan", MLP, "--input", MLP_INPUT, "--optimizer", "adamw"],
+                                ["--optimizer only matters with --total-mb",
+                                 "add --total-mb"]),
+    "bench optimizer without total": (["bench", MLP, "--input", MLP_INPUT, "--optimizer",
+                                       "sgd"], ["--optimizer", "--total-mb"]),
+    "total not positive": (["plan", MLP, "--input", MLP_INPUT, "--total-mb", "0"],
+                           ["--total-mb must be a positive number"]),
+    "total too small": (["plan", MLP, "--input", MLP_INPUT, "--total-mb", "2"],
+                        ["leaves nothing of --total-mb (2.00 MiB)",
+                         "pass --total-mb 2.06 or more"]),
+    "unknown loss": (["diagnose", MLP, "--input", MLP_INPUT, "--loss", "hinge"],
+                     ["invalid choice: 'hinge'", "autockpt diagnose --help"]),
 }
 
 
@@ -273,6 +398,48 @@ def test_diagnose_exits_1_on_an_error_finding_and_0_on_a_clean_model() -> None:
     assert clean.returncode == 0, clean.stderr
     data = json.loads(clean.stdout)
     assert data["errors"] == 0 and all(f["severity"] != "error" for f in data["findings"])
+    assert data["loss"] == "default"
+
+
+OWN_LOSS_MODEL = """
+import torch
+from torch import nn
+
+
+class OwnLoss(nn.Module):
+    # Its own loss beside the logits; scale is read only by the loss, probe only by the logits.
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.ones(()))
+        self.probe = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        logits = self.head(h)
+        return {"loss": self.scale * logits.square().mean(), "logits": logits + self.probe(h)}
+"""
+
+
+def test_diagnose_runs_the_step_with_the_loss_asked_for(tmp_path: Path) -> None:
+    (tmp_path / "own_loss.py").write_text(OWN_LOSS_MODEL)
+    model = str(tmp_path / "own_loss.py") + ":OwnLoss"
+
+    def no_gradient(*flags: str) -> str:
+        code, out, err = _in_process("diagnose", model, "--input", "4x8", "--json", *flags)
+        assert code == 1, err  # one parameter is left out either way: an error finding
+        data = json.loads(out)
+        [finding] = [f for f in data["findings"] if f["code"] == "AC003"]
+        return f"{data['loss']}: {finding['message']}"
+
+    # By default the model's own loss, as model(x)["loss"].backward(): probe gets nothing.
+    default = no_gradient()
+    assert default.startswith("default: ") and "probe.weight" in default
+    assert "scale" not in default
+    # --loss mse trains the logits against zeros instead: now scale gets nothing.
+    mse = no_gradient("--loss", "mse")
+    assert mse.startswith("mse: ") and "scale" in mse and "probe" not in mse
 
 
 def test_lint_exit_status_and_json(tmp_path: Path) -> None:
