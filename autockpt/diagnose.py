@@ -88,6 +88,14 @@ from autockpt.api import split_inputs
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.findings import Finding, Report
 from autockpt.lint import source_with_flag
+from autockpt.loss import (
+    NAMED_LOSSES,
+    LossFn,
+    call_loss,
+    check_loss_fn,
+    default_loss,
+    output_tensors,
+)
 from autockpt.planner import Segment
 from autockpt.profile import profile
 from autockpt.stats import Profile
@@ -95,8 +103,6 @@ from autockpt.trace import base_class, bind_inputs, trace
 from autockpt.units import format_bytes
 
 __all__ = ["diagnose"]
-
-LossFn = Callable[[Any], torch.Tensor]
 
 _REAL_CHECKPOINT = torch_checkpoint.checkpoint
 _REAL_SEQUENTIAL = torch_checkpoint.checkpoint_sequential
@@ -127,7 +133,7 @@ def diagnose(
     example_inputs: Any = None,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossFn | str | None = None,
 ) -> Report:
     """Find the silent checkpointing bugs of ``model`` by running one training step on a copy.
 
@@ -148,8 +154,14 @@ def diagnose(
         example_inputs: positional inputs of ``forward``: a tensor or a tuple (a dict is taken
             as keyword inputs).
         example_kwargs: keyword inputs of ``forward``.
-        loss_fn: ``loss_fn(output) -> scalar tensor``; by default the sum over the output's
-            floating-point tensors that require grad of ``t.float().square().mean()``.
+        loss_fn: ``loss_fn(output) -> scalar tensor``, or the name of a built-in loss
+            (``"cross_entropy"``, ``"mse"``, ``"sum"``: :data:`autockpt.loss.NAMED_LOSSES`).
+            By default the same loss as every entry point (:func:`autockpt.loss.default_loss`):
+            the model's own ``output.loss`` when it returns one (the logits beside it get no
+            gradient from it, as in ``model(**batch).loss.backward()``), else the sum of the
+            output's floating-point tensors that require grad. The memory checks profile the
+            step with this loss too. A loss that does not require grad (an output cut off
+            from the parameters) is a finding (AC003), not an error.
 
     Returns:
         A :class:`~autockpt.findings.Report`; ``print(report)`` shows a table, most severe
@@ -157,8 +169,9 @@ def diagnose(
         rather than raised.
 
     Raises:
-        InvalidArgumentError: ``model`` is not a module, it cannot be deep-copied, or its
-            forward or ``loss_fn`` fails on the example inputs outside any checkpoint.
+        InvalidArgumentError: ``model`` is not a module, it cannot be deep-copied,
+            ``loss_fn`` is neither callable nor the name of a built-in loss, or the forward or
+            ``loss_fn`` fails on the example inputs outside any checkpoint.
 
     Example:
         >>> import torch, autockpt
@@ -175,17 +188,15 @@ def diagnose(
         ('AC001', 'AC003', 'AC011')
         >>> [f.where.split(" ")[0] for f in report.errors]
         ['body', 'body']
+        >>> autockpt.diagnose(Net(), (torch.randn(2, 4),), loss_fn="mse").codes()
+        ('AC001', 'AC003', 'AC011')
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(
             f"model must be a torch.nn.Module, got {type(model).__name__}",
             fix="pass the module itself: autockpt.diagnose(model, (x,))",
         )
-    if loss_fn is not None and not callable(loss_fn):
-        raise InvalidArgumentError(
-            f"loss_fn must be callable, got {type(loss_fn).__name__}",
-            fix="pass loss_fn=lambda out: torch.nn.functional.cross_entropy(out, y)",
-        )
+    loss = check_loss_fn(loss_fn)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     inner, wrapper = _unwrap(model)
     cpu_state = torch.random.get_rng_state()
@@ -210,7 +221,7 @@ def diagnose(
         twin_kwargs = {k: _map_tensors(v, _copy_input) for k, v in kwargs.items()}
         session = _Session(twin, wrapper)
         session.label_inputs(twin_args, twin_kwargs)
-        return session.run(twin_args, twin_kwargs, loss_fn)
+        return session.run(twin_args, twin_kwargs, loss)
     finally:
         torch.random.set_rng_state(cpu_state)
         if cuda_states is not None:
@@ -900,7 +911,7 @@ class _Session:
             step = self._step(args, kwargs, loss_fn, findings)
             if step.forward_done and any(not c.nested and c.via != "autockpt"
                                          for c in self.calls):
-                graph = self._trace(args, kwargs)
+                graph = self._trace(args, kwargs, loss_fn)
         findings += self._judge_calls()
         findings += self._judge_memory(graph, step.output_keys)
         if step.backward_done:
@@ -948,13 +959,15 @@ class _Session:
             for hook in hooks:
                 hook.remove()
 
-    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn | None
                ) -> tuple[fx.Graph, Profile] | None:
-        """The traced graph with each checkpoint call's nodes noted, and its profile."""
+        """The traced graph with each checkpoint call's nodes noted, and its profile of the
+        step with the user's loss (what it saves and the gradient it sends into the output
+        are part of the step the memory checks judge)."""
         self.tracing = True
         try:
             traced = trace(self.root, args, kwargs)
-            stats = profile(traced, bind_inputs(self.root, args, kwargs))
+            stats = profile(traced, bind_inputs(self.root, args, kwargs), loss_fn=loss_fn)
         except AutockptError:  # TraceError: the memory checks need the graph; skip them
             return None
         except Exception:  # an op fake tensors cannot run: same
@@ -1378,29 +1391,30 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _loss(output: Any, loss_fn: LossFn | None, subject: str) -> torch.Tensor | None:
-    """The scalar to run backward on, or None when nothing in it requires grad."""
+    """The scalar to run backward on (:func:`autockpt.loss.call_loss`, so the default loss is
+    the library's one), or None when it does not require grad: then no parameter can get a
+    gradient, which :meth:`_Session._judge_gradients` reports (AC003) instead of an error."""
     if loss_fn is None:
-        tensors = [t for t in _tensors(output)
-                   if t.requires_grad and (t.is_floating_point() or t.is_complex())]
-        if not tensors:
-            return None
-        loss = tensors[0].float().square().mean()
-        for tensor in tensors[1:]:
-            loss = loss + tensor.float().square().mean()
-        return loss
+        return default_loss(output)
+    returned: list[Any] = []
+
+    def recorded(out: Any) -> torch.Tensor:
+        value = loss_fn(out)
+        returned.append(value)
+        return value
+
     try:
-        loss = loss_fn(output)
-    except Exception as err:
-        raise InvalidArgumentError(
-            f"loss_fn raised {type(err).__name__} on the output of {subject}: {err}",
-            fix="loss_fn receives exactly what forward returns and must return a scalar tensor",
-        ) from err
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise InvalidArgumentError(
-            f"loss_fn must return a scalar tensor, got {type(loss).__name__}",
-            fix="reduce the loss: loss_fn=lambda out: out.pow(2).mean()",
-        )
-    return loss if loss.requires_grad else None
+        return call_loss(recorded, output, subject)
+    except InvalidArgumentError:
+        # call_loss refuses a scalar that does not require grad; so does a named loss given an
+        # output with nothing to differentiate. Both are the model's problem, not the loss's.
+        [value] = returned or [None]
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+            return None
+        if not returned and loss_fn in NAMED_LOSSES.values() and not any(
+                t.requires_grad and t.is_floating_point() for t in output_tensors(output)):
+            return None
+        raise
 
 
 def _user_frame(frame: FrameType | None) -> FrameType | None:

@@ -734,6 +734,107 @@ def test_custom_loss_fn_decides_ground_truth() -> None:
     assert "does not require grad" in finding.message
 
 
+class OwnLossNet(nn.Module):
+    """Returns its own loss beside the logits, as a Hugging Face model given ``labels=``:
+    ``scale`` is read only by the loss, ``probe`` only by the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.ones(()))
+        self.probe = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.trunk(x)
+        logits = self.head(h)
+        return {"loss": self.scale * logits.square().mean(), "logits": logits + self.probe(h)}
+
+
+def _without_grad(model: nn.Module, loss_fn: object) -> set[str]:
+    """The ground truth: trainable parameters left without a gradient by a real step."""
+    twin = copy.deepcopy(model)
+    loss = loss_fn(twin(_x()))  # type: ignore[operator]
+    loss.backward()
+    return {name for name, p in twin.named_parameters() if p.grad is None}
+
+
+def _named_in_ac003(report: Report, model: nn.Module) -> set[str]:
+    return {name for name, _ in model.named_parameters()
+            for f in _only(report, "AC003") if re.search(rf"\b{re.escape(name)}\b", f.message)}
+
+
+def test_default_loss_is_the_models_own_loss() -> None:
+    # The same default as measure and plan (autockpt.loss.default_loss): the step trains on
+    # output["loss"], as model(x)["loss"].backward() does, not on every output.
+    model = OwnLossNet()
+    output = model(_x())
+    assert autockpt.loss.default_loss(output) is output["loss"]
+    truth = _without_grad(model, lambda out: out["loss"])
+    assert truth == {"probe.weight", "probe.bias"}  # "scale" does get a gradient
+    report = autockpt.diagnose(model, (_x(),))
+    # Every parameter AC003 names really gets no gradient in training, and only those: none
+    # for "scale" (read only by the loss) nor for the trunk and head the loss reaches.
+    assert _named_in_ac003(report, model) == truth
+    [finding] = _only(report, "AC003")
+    assert "No path from the loss reaches them" in finding.message
+
+
+def test_loss_fn_given_replaces_the_models_own_loss() -> None:
+    model = OwnLossNet()
+    # Training on the logits instead: now "scale" is the one left without a gradient.
+    truth = _without_grad(model, lambda out: out["logits"].sum())
+    assert truth == {"scale"}
+    report = autockpt.diagnose(model, (_x(),), loss_fn=lambda out: out["logits"].sum())
+    assert _named_in_ac003(report, model) == truth
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "mse", "sum"])
+def test_named_losses(name: str) -> None:
+    model = OwnLossNet()
+    # Whatever the named loss reaches, diagnose reports what a real step with it leaves out;
+    # cross_entropy and mse read the logits of a mapping output, so "scale" is left out.
+    truth = _without_grad(model, autockpt.loss.named_loss(name))
+    if name != "sum":
+        assert truth == {"scale"}
+    report = autockpt.diagnose(model, (_x(),), loss_fn=name)
+    assert _named_in_ac003(report, model) == truth
+    assert not autockpt.diagnose(PlainNet(), (_x(),), loss_fn=name).has_errors
+
+
+def test_memory_checks_profile_the_users_loss() -> None:
+    # With the default loss nothing after the block saves activations: AC011 says it is the
+    # last region. A cross-entropy saves its log-softmax after it, and the profile that the
+    # memory checks read now holds that loss.
+    [last] = _only(autockpt.diagnose(LastBlockNet(), (_x(),)), "AC011")
+    assert last.severity == "info" and "last checkpointed region" in last.message
+    report = autockpt.diagnose(LastBlockNet(), (_x(),), loss_fn="cross_entropy")
+    assert "AC011" not in report.codes() and not report.has_errors
+
+
+def test_bad_loss_arguments() -> None:
+    for bad in (3, ["mse"], b"mse"):
+        with pytest.raises(autockpt.InvalidArgumentError, match="loss_fn must be callable"):
+            autockpt.diagnose(PlainNet(), (_x(),), loss_fn=bad)  # type: ignore[arg-type]
+    with pytest.raises(autockpt.InvalidArgumentError, match="unknown loss 'hinge'") as info:
+        autockpt.diagnose(PlainNet(), (_x(),), loss_fn="hinge")
+    assert "cross_entropy" in (info.value.fix or "")
+    # A named loss that cannot read the output is the user's mistake, said as such.
+    with pytest.raises(autockpt.InvalidArgumentError, match="class dimension"):
+        autockpt.diagnose(VectorNet(), (_x(),), loss_fn="cross_entropy")
+
+
+class VectorNet(nn.Module):
+    """One number per example: no class dimension for a cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).flatten()
+
+
 # --------------------------------------------------------------------------- Report
 
 
