@@ -7,6 +7,14 @@ backward FLOPs as a ratio to no checkpointing (``FlopCounterMode``, with the CPU
 the time autockpt took to plan. autockpt is asked, for each alternative, for the memory that
 alternative measured, so each pair can be compared at equal or lower memory.
 
+Every step is a real training step: each model has one loss (cross-entropy against fixed
+targets for the classifier heads and the GPT's tokens; see ``models.MODELS``), and every
+method is measured, timed, FLOP-counted and, for autockpt, planned (``loss_fn=``) with it. A
+``sum()`` of the output would send only a broadcast scalar into the model and hide the
+output-sized gradient and the loss's own saved tensors, so neither the budgets autockpt is
+given nor the peaks measured would be those of the step a user runs. The table's ``loss``
+column and the JSON's ``loss`` field say which loss each row used.
+
     python benchmarks/compare.py                       # mlp72, gpt, vit (+ resnet50 if torchvision imports)
     python benchmarks/compare.py --models mlp72 --repeat 3 --json out.json --plot-dir out/
     python benchmarks/compare.py --compile             # adds torch.compile with a memory budget
@@ -34,9 +42,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autockpt  # noqa: E402
+from autockpt.loss import LossFn  # noqa: E402
 from autockpt.profile import flop_counter  # noqa: E402
 from autockpt.report import format_table  # noqa: E402
-from models import MODELS, Blocks, sqrt_segments  # noqa: E402
+from models import MODELS, BenchLoss, Blocks, make_loss, sqrt_segments  # noqa: E402
 
 MIB = 2**20
 
@@ -57,11 +66,16 @@ class Row:
     saved_mib: float | None = None
     """torch.compile rows only: bytes saved for backward at the end of forward (packed by
     ``saved_tensors_hooks``), a lower bound of the peak the CPU tracker cannot see."""
+    loss: str = ""
+    """The loss this row's step backpropagated from (``cross_entropy``, ``mse``); empty only
+    where a subclass fills it in later."""
 
 
-def _backward_flops(model: nn.Module, x: torch.Tensor) -> int:
+def _backward_flops(model: nn.Module, x: torch.Tensor, loss_fn: LossFn) -> int:
+    """FLOPs of one backward from ``loss_fn(model(x))``: the loss's own backward is the same
+    for every method, so the ratios differ by what each recomputes."""
     model.train()
-    loss = model(x).float().sum()
+    loss = loss_fn(model(x))
     with flop_counter() as counter:
         loss.backward()
     model.zero_grad(set_to_none=True)
@@ -100,18 +114,19 @@ def _alternatives(base: Blocks, compile_budgets: bool) -> list[tuple[str, nn.Mod
     return out
 
 
-def _saved_for_backward(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct activation storages (not parameters, buffers or the input)
-    that autograd saves for backward in one forward.
+def _saved_for_backward(model: nn.Module, x: torch.Tensor, loss: BenchLoss) -> int:
+    """Bytes of the distinct activation storages (not parameters, buffers, the input or the
+    loss's targets) that autograd saves for backward in one forward and its loss.
 
     Used for torch.compile, whose compiled forward allocates outside the dispatcher where
     ``autockpt.measure`` cannot see it; what it saves still goes through the saved-tensor
     hooks. The peak is at least this much (plus the model output and backward's gradients).
     """
     sizes: dict[int, int] = {}
-    # Like autockpt.measure, count activations only: compiled code saves the weights too.
+    # Like autockpt.measure, count activations only: compiled code saves the weights too,
+    # and the loss saves its targets, which exist before the step as the input does.
     not_activations = {t.untyped_storage().data_ptr()
-                       for t in (*model.parameters(), *model.buffers(), x)}
+                       for t in (*model.parameters(), *model.buffers(), x, loss.target)}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -120,9 +135,11 @@ def _saved_for_backward(model: nn.Module, x: torch.Tensor) -> int:
         return tensor
 
     model.train()
+    # The loss runs inside the hooks: what it saves (cross-entropy's log-probabilities, as
+    # big as the logits) is in the peak autockpt is measured with, so it is in this bound too.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
-    out.float().sum().backward()
+        value = loss.fn(model(x))
+    value.backward()
     model.zero_grad(set_to_none=True)
     return sum(sizes.values())
 
@@ -148,10 +165,20 @@ def _compiled(base: Blocks, budget: float) -> nn.Module:
     return torch.compile(copy.deepcopy(base), backend=backend)
 
 
-def run_model(name: str, repeat: int, compile_budgets: bool) -> list[Row]:
+def run_model(name: str, repeat: int, compile_budgets: bool,
+              losses: dict[str, str] | None = None) -> list[Row]:
+    """Every method on model ``name``, all with the model's one loss; ``losses`` (when
+    given) gets ``name``'s loss described in words."""
     spec = MODELS[name]
     base = spec.build()
     x = spec.batch()
+    # Built once, before anything is measured or timed: its targets are fixed tensors, so
+    # each step only computes the loss, and every method sees the very same targets.
+    loss: BenchLoss = make_loss(spec, base, x)
+    loss_fn = loss.fn
+    if losses is not None:
+        losses[name] = loss.description
+    print(f"  loss: {loss.description}", flush=True)
     rows: list[Row] = []
     reference: dict[str, float] = {}
 
@@ -159,8 +186,8 @@ def run_model(name: str, repeat: int, compile_budgets: bool) -> list[Row]:
 
     def record(method: str, model: nn.Module, *, plan_seconds: float | None = None,
                matched_to: str | None = None, note: str = "", memory: bool = True) -> Row:
-        report = autockpt.measure(model, (x,)) if memory else None
-        flops = None if not memory else _backward_flops(model, x)
+        report = autockpt.measure(model, (x,), loss_fn=loss_fn) if memory else None
+        flops = None if not memory else _backward_flops(model, x, loss_fn)
         if not reference:
             reference["flops"] = float(flops or 1)
         row = Row(
@@ -168,7 +195,7 @@ def run_model(name: str, repeat: int, compile_budgets: bool) -> list[Row]:
             peak_activation_mib=None if report is None else report.peak_activation_bytes / MIB,
             step_ms=float("nan"), time_ratio=float("nan"),
             backward_flops_ratio=None if flops is None else flops / reference["flops"],
-            plan_seconds=plan_seconds, matched_to=matched_to, note=note,
+            plan_seconds=plan_seconds, matched_to=matched_to, note=note, loss=loss.name,
         )
         rows.append(row)
         timed.append((row, model))
@@ -180,7 +207,8 @@ def run_model(name: str, repeat: int, compile_budgets: bool) -> list[Row]:
     measured = []
     for method, model, note in alternatives:
         if method.startswith("torch.compile"):
-            saved = _saved_for_backward(model, x) / MIB  # compiles it, before the timed steps
+            # Compiles it, before the timed steps.
+            saved = _saved_for_backward(model, x, loss) / MIB
             row = record(method, model, memory=False,
                          note=f"saves {saved:.2f} MiB for backward (a lower bound of its "
                               "peak: the CPU tracker cannot see inside compiled code)")
@@ -197,17 +225,22 @@ def run_model(name: str, repeat: int, compile_budgets: bool) -> list[Row]:
             rows.append(Row(model=name, method="autockpt", peak_activation_mib=None, step_ms=0.0,
                             time_ratio=float("nan"), backward_flops_ratio=None,
                             matched_to=row.method,
-                            note="not matched: the saved-tensor hooks saw nothing saved"))
+                            note="not matched: the saved-tensor hooks saw nothing saved",
+                            loss=loss.name))
             continue
         start = time.perf_counter()
         try:
-            ckpt = autockpt.apply(copy.deepcopy(base), budget_mb=target, example_inputs=(x,))
+            # The loss is planned for too: its saved tensors and the output-sized gradient
+            # it sends back count in the budget, as they do in the measured peak.
+            ckpt = autockpt.apply(copy.deepcopy(base), budget_mb=target, example_inputs=(x,),
+                                  loss_fn=loss_fn)
         except autockpt.InfeasibleBudgetError as err:
             rows.append(Row(model=name, method="autockpt", peak_activation_mib=None, step_ms=0.0,
                             time_ratio=float("nan"), backward_flops_ratio=None,
                             matched_to=row.method,
                             note=f"infeasible: least reachable "
-                                 f"{err.min_feasible_bytes / MIB:.2f} MiB"))
+                                 f"{err.min_feasible_bytes / MIB:.2f} MiB",
+                            loss=loss.name))
             continue
         seconds = time.perf_counter() - start
         plan = autockpt.plan_of(ckpt)
@@ -215,12 +248,12 @@ def run_model(name: str, repeat: int, compile_budgets: bool) -> list[Row]:
                matched_to=row.method, note=_segments_note(plan))
     # The least memory autockpt reaches (segments nested inside segments where that pays).
     start = time.perf_counter()
-    ckpt = autockpt.apply(copy.deepcopy(base), example_inputs=(x,))
+    ckpt = autockpt.apply(copy.deepcopy(base), example_inputs=(x,), loss_fn=loss_fn)
     seconds = time.perf_counter() - start
     record("autockpt (least memory)", ckpt, plan_seconds=seconds,
            note=_segments_note(autockpt.plan_of(ckpt)))
     seconds_per_step = time_interleaved([model for _, model in timed],
-                                        lambda model: model(x).float().sum(), repeat)
+                                        lambda model: loss_fn(model(x)), repeat)
     for (row, _), step in zip(timed, seconds_per_step):
         row.step_ms = step * 1000
         row.time_ratio = step / seconds_per_step[0]
@@ -346,25 +379,29 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     rows: list[Row] = []
+    losses: dict[str, str] = {}
     for name in names:
         print(f"{name}:", flush=True)
-        rows += run_model(name, args.repeat, args.compile)
-    table = [[r.model, r.method,
+        rows += run_model(name, args.repeat, args.compile, losses)
+    table = [[r.model, r.loss, r.method,
               "-" if r.peak_activation_mib is None else f"{r.peak_activation_mib:.2f}",
               f"{r.time_ratio:.2f}",
               "-" if r.backward_flops_ratio is None else f"{r.backward_flops_ratio:.2f}",
               "" if r.plan_seconds is None else f"{r.plan_seconds:.2f}",
               r.note] for r in rows]
     print()
-    print(format_table(["model", "method", "peak MiB", "time x", "bwd FLOPs x", "plan s", "note"],
-                       table, right=[False, False, True, True, True, True, False]))
+    for name, description in losses.items():
+        print(f"loss of every {name} row: {description}")
+    print(format_table(["model", "loss", "method", "peak MiB", "time x", "bwd FLOPs x", "plan s",
+                        "note"],
+                       table, right=[False, False, False, True, True, True, True, False]))
     print()
     for line in verdicts(rows):
         print(line)
     if args.json:
         args.json.write_text(json.dumps(
             {"torch": torch.__version__, "device": "cpu", "threads": torch.get_num_threads(),
-             "rows": [asdict(r) for r in rows]}, indent=2))
+             "losses": losses, "rows": [asdict(r) for r in rows]}, indent=2))
     if args.plot_dir:
         for path in plot(rows, args.plot_dir):
             print(f"wrote {path}")

@@ -7,6 +7,11 @@ checkpointing needs, so each alternative can be applied the way users apply it:
 * ``every``: ``checkpoint(block, x, use_reentrant=False)`` around every ``every``-th block,
   as Hugging Face's and timm's ``gradient_checkpointing`` do for every block;
 * ``sequential``: ``checkpoint_sequential`` over the blocks with a number of segments.
+
+Each model also names the loss it is trained with (:attr:`BenchModel.loss`), and
+:func:`make_loss` builds it with fixed targets, so that every method is measured, timed and
+planned on the step a user really runs rather than on ``output.sum()``, whose backward sends
+only a broadcast scalar into the output.
 """
 
 from __future__ import annotations
@@ -148,19 +153,93 @@ def resnet50() -> Blocks:
 
 @dataclass(frozen=True)
 class BenchModel:
-    """A benchmark model and the batch it is measured with."""
+    """A benchmark model, the batch it is measured with and the loss it is trained with."""
 
     name: str
     build: Callable[[], Blocks]
     batch: Callable[[], torch.Tensor]
+    loss: str
+    """A key of :data:`LOSSES`: every method on this model uses this loss."""
 
 
 MODELS: dict[str, BenchModel] = {
-    "mlp72": BenchModel("mlp72", mlp72, lambda: torch.randn(16, 1000)),
-    "gpt": BenchModel("gpt", gpt, lambda: torch.randint(0, 2048, (8, 128))),
-    "vit": BenchModel("vit", vit, lambda: torch.randn(16, 3, 64, 64)),
-    "resnet50": BenchModel("resnet50", resnet50, lambda: torch.randn(8, 3, 128, 128)),
+    # mlp72's Linear(1000, 100) head is a 100-way classifier head.
+    "mlp72": BenchModel("mlp72", mlp72, lambda: torch.randn(16, 1000), "cross_entropy"),
+    # Next-token prediction: every position's logits against a token.
+    "gpt": BenchModel("gpt", gpt, lambda: torch.randint(0, 2048, (8, 128)), "cross_entropy"),
+    "vit": BenchModel("vit", vit, lambda: torch.randn(16, 3, 64, 64), "cross_entropy"),
+    "resnet50": BenchModel("resnet50", resnet50, lambda: torch.randn(8, 3, 128, 128),
+                           "cross_entropy"),
 }
+
+
+@dataclass(frozen=True)
+class BenchLoss:
+    """``fn(output) -> scalar``, with fixed targets built once, and what it is in words."""
+
+    name: str
+    """The kind, a key of :data:`LOSSES` (the table's column)."""
+    description: str
+    """The kind with its shapes, e.g. ``cross_entropy over 2048 classes, 1024 targets``."""
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    target: torch.Tensor
+    """The fixed target ``fn`` compares with: built before the step, so not an activation."""
+
+
+TARGET_SEED = 0
+
+
+def _cross_entropy(output: torch.Tensor) -> BenchLoss:
+    """Cross-entropy of the logits (classes in the last dimension) against fixed targets;
+    a language model's ``(batch, tokens, vocab)`` logits are flattened to one row per token,
+    as ``GPT2LMHeadModel`` does."""
+    classes = output.shape[-1]
+    rows = output.numel() // classes
+    # Own generator: the same targets in every run, without moving the global RNG, whose
+    # state the models' initialisation and the batches depend on.
+    generator = torch.Generator().manual_seed(TARGET_SEED)
+    target = torch.randint(0, classes, (rows,), generator=generator).to(output.device)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, classes), target)
+
+    return BenchLoss("cross_entropy", f"cross_entropy over {classes} classes, {rows} targets",
+                     loss, target)
+
+
+def _mse(output: torch.Tensor) -> BenchLoss:
+    """Mean squared error against a fixed random target of the output's shape (an image or
+    regression output); unlike ``sum()`` it sends an output-sized gradient into the model."""
+    generator = torch.Generator().manual_seed(TARGET_SEED)
+    target = torch.randn(output.shape, generator=generator, dtype=output.dtype).to(output.device)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, target)
+
+    return BenchLoss("mse", f"mse against a fixed {tuple(output.shape)} target", loss, target)
+
+
+LOSSES: dict[str, Callable[[torch.Tensor], BenchLoss]] = {
+    "cross_entropy": _cross_entropy,
+    "mse": _mse,
+}
+"""Loss builders: given an example output, the loss with its targets made to fit it."""
+
+
+def make_loss(spec: BenchModel, model: nn.Module, x: torch.Tensor) -> BenchLoss:
+    """The loss of ``spec``, its targets shaped from one forward of ``model`` on ``x``.
+
+    That forward runs in eval mode under ``no_grad``: it only needs the output's shape and
+    must not update BatchNorm's running statistics before the methods are measured.
+    """
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(x)
+    finally:
+        model.train(training)
+    return LOSSES[spec.loss](output)
 
 
 def sqrt_segments(model: Blocks) -> int:
