@@ -66,3 +66,19 @@ def test_hf_budget_holds_on_the_real_step(name: str, where: str, budget: str, mo
     assert measured <= (1 + BUDGET_SLACK) * budget_bytes, (measured, budget_bytes)
     assert abs(plan.estimated_peak_bytes - measured) <= TOLERANCE * measured, (
         f"estimated {plan.estimated_peak_bytes} B, measured {measured} B")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_users_get_the_memory_of_gradient_checkpointing_enable(name: str) -> None:
+    """Asked for what Hugging Face's own switch measures (loss inside, ``labels=``), autockpt
+    plans it, and its step measures within the budget."""
+    batch = _batch()
+    batch["labels"] = batch["input_ids"]
+    hf = _model(name)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    theirs = autockpt.measure(hf, batch).peak_activation_bytes
+    ours = autockpt.apply(_model(name), theirs / 2**20, example_kwargs=batch)
+    plan = autockpt.plan_of(ours)
+    measured = autockpt.measure(ours, batch).peak_activation_bytes
+    assert measured <= (1 + BUDGET_SLACK) * theirs, (measured, theirs)
+    assert abs(plan.estimated_peak_bytes - measured) <= TOLERANCE * measured
