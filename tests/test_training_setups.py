@@ -23,32 +23,29 @@ import torch
 from torch import nn
 
 import autockpt
+from tests.helpers import MODES, assert_same_tensors, buffers_of, grads_of, params_of
 from tests.train_scripts.setups_model import batch, build, checkpointed, loss_of
 
-MODES = ("non_reentrant", "reentrant")
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "train_scripts" / "dist_setups.py"
 
 
-def state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every gradient, parameter and buffer, cloned."""
-    out = {f"grad:{n}": p.grad.detach().clone() for n, p in model.named_parameters()}
-    out.update({f"param:{n}": p.detach().clone() for n, p in model.named_parameters()})
-    out.update({f"buf:{n}": b.detach().clone() for n, b in model.named_buffers()})
+def state(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every gradient, parameter and buffer, cloned, under the keys the two-process worker
+    (tests/train_scripts/dist_setups.py) uses."""
+    out: dict[str, torch.Tensor | None] = {f"grad:{n}": g for n, g in grads_of(model).items()}
+    out.update({f"param:{n}": p for n, p in params_of(model).items()})
+    out.update({f"buf:{n}": b for n, b in buffers_of(model).items()})
     return out
 
 
-def assert_same(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor],
+def assert_same(expected: dict[str, torch.Tensor | None], actual: dict[str, torch.Tensor | None],
                 exact: bool = True) -> None:
-    assert list(actual) == list(expected)
-    tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {}
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, **tolerance,
-                                   msg=lambda m, key=key: f"{key}: {m}")
+    assert_same_tensors(actual, expected, exact=exact)
 
 
 def step(model: nn.Module, run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
-         micro: int = 1) -> dict[str, torch.Tensor]:
+         micro: int = 1) -> dict[str, torch.Tensor | None]:
     """One training step: ``micro`` micro-batches, each with its own backward, then SGD."""
     run = run or (lambda m, x: m(x))
     model.train()
