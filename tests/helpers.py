@@ -5,12 +5,18 @@ identically seeded twin one step each, snapshot what the step leaves behind (los
 parameter's gradient, every buffer) and compare the two tensor by tensor. :func:`train_step`
 takes the snapshot and :func:`assert_same_step` / :func:`assert_same_tensors` compare; each
 caller keeps its own argument order and tolerances. Budget tests plan at a fraction of the
-peak without checkpointing with :func:`budget_for` and :func:`apply_at_fraction`.
+peak without checkpointing with :func:`budget_for` and :func:`apply_at_fraction`. The
+distributed tests start their workers with :func:`run_workers`.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
@@ -24,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MODES",
+    "AtFraction",
     "Step",
     "apply_at_fraction",
     "assert_same_case_step",
@@ -32,9 +39,14 @@ __all__ = [
     "budget_for",
     "buffers_of",
     "grads_of",
+    "free_port",
     "params_of",
+    "run_workers",
     "train_step",
 ]
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: the workers import ``autockpt`` and ``tests`` from it."""
 
 MODES = ("non_reentrant", "reentrant")
 """Both checkpoint modes, in the order tests parametrize over them."""
@@ -158,3 +170,35 @@ def apply_at_fraction(model: nn.Module, fraction: object, args: tuple[Any, ...],
     transformed = autockpt.apply(model, budget / 2**20, example_inputs=args,
                                  example_kwargs=kwargs, **options)
     return AtFraction(probe, budget, transformed)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the moment, for a process group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_workers(script: Path, world: int, directory: Path, *, timeout_s: float,
+                env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Run ``script rank world port directory`` in ``world`` processes at once and return
+    what each rank saved to ``directory/result-<rank>.pt``.
+
+    ``env`` is added to this process's environment. A rank that fails fails the test with the
+    end of its output.
+    """
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(world), str(port), str(directory)],
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(world)
+    ]
+    logs = [p.communicate(timeout=timeout_s)[0].decode() for p in procs]
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+    return [torch.load(directory / f"result-{r}.pt", weights_only=True) for r in range(world)]
