@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import autockpt
-from tests.zoo import CASES, ZooCase, clone_case, train_step
+from tests.helpers import MODES, assert_same_case_step
+from tests.zoo import CASES, ZooCase, clone_case
 
-MODES = ("non_reentrant", "reentrant")
 # Fractions of the estimated no-checkpoint peak; None asks for the least memory reachable and
 # "min" for exactly the least reachable, as a number.
 BUDGETS = (1.0, 0.75, 0.5, 0.25, "min", None)
@@ -31,24 +31,6 @@ def _budget_mb(model: torch.nn.Module, case: ZooCase, budget: object, mode: str
     return probe.baseline_peak_bytes * float(budget) / 2**20, probe.min_peak_bytes  # type: ignore[arg-type]
 
 
-def _assert_same_step(case: ZooCase, reference: torch.nn.Module, transformed: torch.nn.Module
-                      ) -> None:
-    args, kwargs = case.inputs()
-    loss_a, grads_a, buffers_a = train_step(reference, case, args, kwargs, seed=1234)
-    loss_b, grads_b, buffers_b = train_step(transformed, case, args, kwargs, seed=1234)
-    torch.testing.assert_close(loss_b, loss_a)
-    assert list(grads_b) == list(grads_a)
-    for name, grad in grads_a.items():
-        if grad is None:
-            assert grads_b[name] is None, f"{name}: frozen parameter got a gradient"
-        else:
-            assert grads_b[name] is not None, f"{name}: no gradient with autockpt"
-            torch.testing.assert_close(grads_b[name], grad, msg=lambda m: f"{name}: {m}")
-    assert list(buffers_b) == list(buffers_a)
-    for name, buf in buffers_a.items():
-        torch.testing.assert_close(buffers_b[name], buf, msg=lambda m: f"buffer {name}: {m}")
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -60,7 +42,7 @@ def test_same_training_step(case: ZooCase, budget: object, mode: str) -> None:
         with pytest.raises(autockpt.InfeasibleBudgetError) as info:
             autockpt.apply(twin, budget_mb, example_inputs=args, example_kwargs=kwargs, mode=mode)
         assert info.value.min_feasible_bytes == least
-        _assert_same_step(case, reference, twin)  # left untouched
+        assert_same_case_step(case, reference, twin)  # left untouched
         return
     transformed = autockpt.apply(twin, budget_mb, example_inputs=args, example_kwargs=kwargs,
                                  mode=mode)
@@ -75,9 +57,9 @@ def test_same_training_step(case: ZooCase, budget: object, mode: str) -> None:
     for (name_a, p_a), (name_b, p_b) in zip(twin.named_parameters(),
                                             transformed.named_parameters()):
         assert name_a == name_b and p_a is p_b
-    _assert_same_step(case, reference, transformed)
+    assert_same_case_step(case, reference, transformed)
     # The user's module still works on its own, unchanged.
-    _assert_same_step(case, reference, twin)
+    assert_same_case_step(case, reference, twin)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

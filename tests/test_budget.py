@@ -10,6 +10,7 @@ import pytest
 
 import autockpt
 from autockpt.planner import BUDGET_SLACK
+from tests.helpers import apply_at_fraction
 from tests.zoo import CASES, ZooCase, get_case
 
 SLACK = 1 + BUDGET_SLACK
@@ -19,16 +20,9 @@ FRACTIONS = (0.75, 0.5, "min")
 def _check(case: ZooCase, fraction: object, mode: str) -> None:
     model = case.build()
     args, kwargs = case.inputs()
-    probe = autockpt.plan(model, args, example_kwargs=kwargs, mode=mode)
-    budget = probe.min_peak_bytes if fraction == "min" else int(
-        probe.baseline_peak_bytes * float(fraction))  # type: ignore[arg-type]
-    if budget < probe.min_peak_bytes:
-        with pytest.raises(autockpt.InfeasibleBudgetError):
-            autockpt.apply(model, budget / 2**20, example_inputs=args, example_kwargs=kwargs,
-                           mode=mode)
+    _, _, ckpt = apply_at_fraction(model, fraction, args, kwargs, mode=mode)
+    if ckpt is None:
         return
-    ckpt = autockpt.apply(model, budget / 2**20, example_inputs=args, example_kwargs=kwargs,
-                          mode=mode)
     plan = autockpt.plan_of(ckpt)
     assert plan.estimated_peak_bytes <= plan.budget_bytes
     measured = autockpt.measure(ckpt, args, example_kwargs=kwargs).peak_activation_bytes

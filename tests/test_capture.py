@@ -16,11 +16,9 @@ from torch import nn
 
 import autockpt
 from autockpt.planner import BUDGET_SLACK
-from tests.test_apply_zoo import _assert_same_step
+from tests.helpers import MODES, assert_same_case_step, assert_same_tensors, grads_of
 from tests.test_modules import BranchyNet
 from tests.zoo import ZooCase, clone_case, flatten_output
-
-MODES = ("non_reentrant", "reentrant")
 
 
 class _Block(nn.Module):
@@ -150,7 +148,7 @@ def test_untraceable_models_train_like_the_original(case: ZooCase, rung: str, fr
     assert list(transformed.state_dict()) == keys
     for name, param in transformed.named_parameters(remove_duplicate=False):
         assert param is params[name]
-    _assert_same_step(case, reference, transformed)
+    assert_same_case_step(case, reference, transformed)
     # The budget is defined with measure's default loss (see autockpt.measure): a loss of
     # one's own adds its own gradient of the output, which no plan can remove.
     report = autockpt.measure(transformed, args, example_kwargs=kwargs)
@@ -244,5 +242,4 @@ def test_dataclass_outputs_and_non_tensor_arguments(mode: str) -> None:
     for out in outs:
         (out.logits.pow(2).mean() + out.hidden[0].mean()).backward()
     assert isinstance(outs[0], _Out) and outs[0].layers == 6
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    assert_same_tensors(grads_of(model), grads_of(reference), allow_none=True)

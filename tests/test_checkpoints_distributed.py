@@ -6,10 +6,6 @@ left on disk, and load the sharded checkpoints again in this single, unsharded p
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +14,7 @@ import torch
 from torch import nn
 
 from autockpt.checkpoints import CheckpointFallbackWarning, CheckpointManager
+from tests.helpers import run_workers
 
 pytestmark = [
     pytest.mark.distributed,
@@ -29,35 +26,13 @@ pytestmark = [
 ]
 
 SCRIPT = Path(__file__).parent / "ckpt_scripts" / "dist_worker.py"
-ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     directory = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(rank), str(WORLD), str(port), str(directory)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(WORLD)
-    ]
-    logs = [p.communicate(timeout=240)[0].decode() for p in procs]
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
-    results = [torch.load(directory / f"result-{r}.pt", weights_only=True) for r in range(WORLD)]
-    return directory, results
+    return directory, run_workers(SCRIPT, WORLD, directory, timeout_s=240)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,8 @@ MLP = "tests.cli_models:mlp"
 MLP_INPUT = "8x128"
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """In-process runs use one thread too (see run_cli), restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# In-process runs use one thread too (see run_cli).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
 import autockpt.runtime
-from tests.zoo import get_case, train_step
+from tests.helpers import Step, assert_same_step, train_step
+from tests.zoo import get_case
 
 
 class Chain(nn.Module):
@@ -42,19 +43,8 @@ def _chain_and_input() -> tuple[Chain, torch.Tensor]:
     return Chain(), torch.randn(32, 64)
 
 
-def _step(model: nn.Module, x: torch.Tensor, seed: int = 7) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    model(x).square().mean().backward()
-    out = {f"grad:{n}": p.grad.clone() for n, p in model.named_parameters()}
-    out.update({f"buf:{n}": b.clone() for n, b in model.named_buffers()})
-    return out
-
-
-def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert list(a) == list(b)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], msg=lambda m: f"{key}: {m}")
+def _step(model: nn.Module, x: torch.Tensor) -> Step:
+    return train_step(model, lambda out: out.square().mean(), (x,), seed=7)
 
 
 def _least_memory(model: nn.Module, x: torch.Tensor, **kwargs: object) -> nn.Module:
@@ -94,7 +84,7 @@ def test_deepcopy_and_whole_module_pickle_train_identically() -> None:
         assert type(candidate) is type(ckpt)
         assert all(a is not b for a, b in zip(candidate.parameters(), ckpt.parameters()))
         assert autockpt.plan_of(candidate).segments == autockpt.plan_of(ckpt).segments
-        _assert_same(expected, _step(candidate, x))
+        assert_same_step(expected, _step(candidate, x))
 
 
 def test_eval_and_no_grad_run_the_original_forward(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +112,7 @@ def test_to_moves_the_shared_tensors_and_keeps_training() -> None:
     ckpt.to(torch.float64)
     assert model.head.weight.dtype == torch.float64  # same Parameter objects
     reference.to(torch.float64)
-    _assert_same(_step(reference, x.double()), _step(ckpt, x.double()))
+    assert_same_step(_step(reference, x.double()), _step(ckpt, x.double()))
 
 
 def test_original_module_is_left_as_it_was() -> None:
@@ -146,11 +136,11 @@ def test_lazy_planning_at_first_forward_and_per_input_shape() -> None:
     ckpt = autockpt.apply(model, budget_mb=None)
     with pytest.raises(autockpt.AutockptError, match="not planned yet"):
         autockpt.plan_of(ckpt)
-    _assert_same(_step(reference, x), _step(ckpt, x))
+    assert_same_step(_step(reference, x), _step(ckpt, x))
     first = autockpt.plan_of(ckpt)
     assert first.segments and "32, 64" in first.input_signature
     bigger = torch.randn(96, 64)
-    _assert_same(_step(reference, bigger), _step(ckpt, bigger))
+    assert_same_step(_step(reference, bigger), _step(ckpt, bigger))
     second = autockpt.plan_of(ckpt)
     assert "96, 64" in second.input_signature
     assert second.baseline_peak_bytes > first.baseline_peak_bytes
@@ -231,7 +221,7 @@ def test_state_dict_keys_of_the_zoo_are_unchanged_after_a_step() -> None:
     model = case.build()
     args, kwargs = case.inputs()
     ckpt = autockpt.apply(model, example_inputs=args)
-    train_step(ckpt, case, args, kwargs, seed=0)
+    train_step(ckpt, case.loss_fn, args, kwargs, seed=0)
     assert list(ckpt.state_dict()) == list(model.state_dict())
     assert [n for n, _ in ckpt.named_buffers()] == [n for n, _ in model.named_buffers()]
 

@@ -15,6 +15,7 @@ from autockpt.chain import build_chain
 from autockpt.profile import profile
 from autockpt.timing import time_nodes
 from autockpt.trace import trace
+from tests.helpers import assert_same_tensors, buffers_of, grads_of
 
 
 def _net() -> nn.Module:
@@ -117,11 +118,8 @@ def test_profile_cost_trains_like_the_original(mode: str) -> None:
     ckpt(x).square().sum().backward()
     torch.manual_seed(1)
     twin(x).square().sum().backward()
-    for (name, p), q in zip(net.named_parameters(), twin.parameters()):
-        assert p.grad is not None and q.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
-    for (name, b), c in zip(net.named_buffers(), twin.buffers()):
-        torch.testing.assert_close(b, c, msg=name)
+    assert_same_tensors(grads_of(net), grads_of(twin))
+    assert_same_tensors(buffers_of(net), buffers_of(twin))
 
 
 def test_flops_plans_print_no_cost_line_and_modules_rung_notes_it() -> None:

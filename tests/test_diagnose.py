@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import autockpt
 from autockpt import runtime
 from autockpt.findings import CODES, Finding, Report
+from tests.helpers import assert_same_tensors, buffers_of, grads_of, params_of
 from tests.zoo import CASES, ZooCase, get_case
 
 # Kept in a tuple: diagnose swaps module globals that hold the real function, not tuples.
@@ -624,10 +625,9 @@ def test_data_parallel_is_looked_through() -> None:
 
 def _state(model: nn.Module) -> dict[str, object]:
     return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "grads": {n: None if p.grad is None else p.grad.clone()
-                  for n, p in model.named_parameters()},
-        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "params": params_of(model),
+        "grads": grads_of(model),
+        "buffers": buffers_of(model),
         "versions": {n: b._version for n, b in model.named_buffers()},
         "training": [m.training for m in model.modules()],
     }
@@ -635,13 +635,9 @@ def _state(model: nn.Module) -> dict[str, object]:
 
 def _assert_same_state(before: dict[str, object], after: dict[str, object]) -> None:
     assert before.keys() == after.keys()
-    for key in ("params", "buffers"):
-        for name, value in before[key].items():  # type: ignore[attr-defined]
-            other = after[key][name]  # type: ignore[index]
-            assert torch.equal(value, other), f"{key} {name} changed"
-    for name, grad in before["grads"].items():  # type: ignore[attr-defined]
-        other = after["grads"][name]  # type: ignore[index]
-        assert (grad is None) == (other is None) and (grad is None or torch.equal(grad, other))
+    for key in ("params", "grads", "buffers"):
+        assert_same_tensors(after[key], before[key],  # type: ignore[arg-type]
+                            what=f"{key} ", exact=True, allow_none=True)
     assert before["versions"] == after["versions"]
     assert before["training"] == after["training"]
 

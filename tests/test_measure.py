@@ -54,14 +54,7 @@ class SequentialCheckpointed(nn.Module):
         return checkpoint_sequential(self.chain, 4, x, use_reentrant=self.use_reentrant)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread() -> Any:
-    # Memory counts do not depend on threading, but on a busy 2-core machine OpenMP
-    # threads spin against other processes and make these matmuls ~15x slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ from autockpt.modules import (
 )
 from autockpt.planner import BUDGET_SLACK
 from autockpt.trace import shallow_view
+from tests.helpers import MODES, assert_same_step, budget_for, train_step
 
-MODES = ("non_reentrant", "reentrant")
 BUDGETS = (1.0, 0.5, "min")
 
 
@@ -133,18 +133,6 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
     return output.pow(2).mean()
 
 
-def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-          ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None], dict[str, torch.Tensor]]:
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    loss = _loss(model(*args, **kwargs))
-    loss.backward()
-    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-    return loss.detach(), grads, buffers
-
-
 def _flops(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     counter = FlopCounterMode(display=False)
     state = copy.deepcopy({n: b for n, b in model.named_buffers()})
@@ -215,12 +203,6 @@ def test_weight_shared_module_is_not_a_block() -> None:
     assert prof.call("b").calls == 2
 
 
-def _budget(prof_plan: autockpt.Plan, budget: object) -> int:
-    if budget == "min":
-        return prof_plan.min_peak_bytes
-    return int(prof_plan.baseline_peak_bytes * float(budget))  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -229,7 +211,7 @@ def test_same_training_step(name: str, budget: object, mode: str) -> None:
     reference, model = make(), make()
     args, kwargs = inputs()
     probe, prof = build(model, args, kwargs, budget_bytes=None, mode=mode)
-    budget_bytes = _budget(probe, budget)
+    budget_bytes = budget_for(probe, budget)
     if budget_bytes < probe.min_peak_bytes:
         with pytest.raises(autockpt.InfeasibleBudgetError) as info:
             plan_modules(prof, budget_bytes, mode=mode)
@@ -256,15 +238,8 @@ def test_same_training_step(name: str, budget: object, mode: str) -> None:
         assert "forward" not in model.get_submodule(qualname).__dict__
         assert twin.get_submodule(qualname) is not model.get_submodule(qualname)
 
-    loss_a, grads_a, buffers_a = _step(reference, args, kwargs)
-    loss_b, grads_b, buffers_b = _step(twin, args, kwargs)
-    torch.testing.assert_close(loss_b, loss_a)
-    assert list(grads_b) == list(grads_a)
-    for key, grad in grads_a.items():
-        assert grad is not None and grads_b[key] is not None, key
-        torch.testing.assert_close(grads_b[key], grad, msg=lambda m, key=key: f"{key}: {m}")
-    for key, buf in buffers_a.items():
-        torch.testing.assert_close(buffers_b[key], buf, msg=lambda m, key=key: f"buffer {key}: {m}")
+    expected = train_step(reference, _loss, args, kwargs, seed=1234)
+    assert_same_step(train_step(twin, _loss, args, kwargs, seed=1234), expected)
 
     report = autockpt.measure(twin, args, example_kwargs=kwargs, loss_fn=_loss)
     assert report.peak_activation_bytes <= budget_bytes * (1 + BUDGET_SLACK), (

@@ -21,6 +21,7 @@ from autockpt.planner import make_plan
 from autockpt.profile import profile
 from autockpt.report import plan_rows
 from autockpt.trace import trace
+from tests.helpers import Step, assert_same_step, assert_same_tensors, grads_of, train_step
 from tests.zoo import get_case
 
 MIB = 2**20
@@ -56,13 +57,8 @@ def _flat_least(model: nn.Module, x: torch.Tensor) -> int:
     return make_plan(_profile(model, x), None, nesting=False).estimated_peak_bytes
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(7)
-    model(x).square().mean().backward()
-    out = {f"grad:{n}": p.grad.clone() for n, p in model.named_parameters()}
-    out.update({f"buf:{n}": b.clone() for n, b in model.named_buffers()})
-    return out
+def _step(model: nn.Module, x: torch.Tensor) -> Step:
+    return train_step(model, lambda out: out.square().mean(), (x,), seed=7)
 
 
 def test_least_memory_is_below_what_one_level_of_segments_reaches() -> None:
@@ -89,10 +85,7 @@ def test_nested_plan_trains_exactly_like_the_model() -> None:
     budget = 0.9 * _flat_least(model, x)
     ckpt = autockpt.apply(model, budget / MIB, example_inputs=(x,))
     for _ in range(2):
-        got, want = _step(ckpt, x), _step(twin, x)
-        assert list(got) == list(want)
-        for key in got:
-            assert torch.equal(got[key], want[key]), key
+        assert_same_step(_step(ckpt, x), _step(twin, x), exact=True)
     plan = autockpt.plan_of(ckpt)
     assert max(seg.depth for seg in plan.segments) >= 1
     assert plan.estimated_peak_bytes <= budget
@@ -224,7 +217,4 @@ def test_transformer_nested_least_memory_trains_like_the_model() -> None:
     ckpt(*args).float().square().mean().backward()
     torch.manual_seed(3)
     twin(*args).float().square().mean().backward()
-    for (name, p), (_, q) in zip(ckpt.named_parameters(), twin.named_parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+    assert_same_tensors(grads_of(ckpt), grads_of(twin), allow_none=True)

@@ -18,12 +18,12 @@ from torch import nn
 
 import autockpt
 from autockpt.planner import BUDGET_SLACK
+from tests.helpers import MODES, apply_at_fraction, assert_same_tensors, grads_of
 from tests.zoo import get_case
 
 SLACK = 1 + BUDGET_SLACK
 ESTIMATE_TOLERANCE = 0.05
 FRACTIONS = (0.75, 0.5, 0.25, "min")
-MODES = ("non_reentrant", "reentrant")
 
 
 # --------------------------------------------------------------------------- models
@@ -117,12 +117,6 @@ def _dict_output() -> tuple[nn.Module, tuple[Any, ...], Any]:
 MODELS = {"gpt_cross_entropy": _gpt, "image_mse": _image, "dict_aux_loss": _dict_output}
 
 
-def _budget(plan: autockpt.Plan, fraction: object) -> int:
-    if fraction == "min":
-        return plan.min_peak_bytes
-    return int(plan.baseline_peak_bytes * float(fraction))  # type: ignore[arg-type]
-
-
 # --------------------------------------------------------------------------- loss_fn
 
 
@@ -131,15 +125,9 @@ def _budget(plan: autockpt.Plan, fraction: object) -> int:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_budget_holds_with_the_users_loss(name: str, fraction: object, mode: str) -> None:
     model, args, loss_fn = MODELS[name]()
-    probe = autockpt.plan(model, args, loss_fn=loss_fn, mode=mode)
-    budget = _budget(probe, fraction)
-    if budget < probe.min_peak_bytes:
-        with pytest.raises(autockpt.InfeasibleBudgetError):
-            autockpt.apply(model, budget / 2**20, example_inputs=args, loss_fn=loss_fn,
-                           mode=mode)
+    probe, _, ckpt = apply_at_fraction(model, fraction, args, loss_fn=loss_fn, mode=mode)
+    if ckpt is None:
         return
-    ckpt = autockpt.apply(model, budget / 2**20, example_inputs=args, loss_fn=loss_fn,
-                          mode=mode)
     plan = autockpt.plan_of(ckpt)
     assert plan.loss is not None and plan.loss.kind == "loss_fn"
     measured = autockpt.measure(ckpt, args, loss_fn=loss_fn).peak_activation_bytes
@@ -194,8 +182,7 @@ def test_the_loss_is_planned_not_rewritten() -> None:
         torch.manual_seed(5)
         counted(net(*args)).backward()
     assert len(calls) == planned + 2
-    for (name, a), (_, b) in zip(ckpt.named_parameters(), twin.named_parameters()):
-        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+    assert_same_tensors(grads_of(ckpt), grads_of(twin), rtol=1e-5, atol=1e-7)
 
 
 def test_a_bad_loss_fn_is_refused_with_the_fix() -> None:
@@ -252,16 +239,10 @@ def test_accumulation_prices_the_weight_gradient_temporaries(mode: str) -> None:
 def test_the_budget_holds_with_gradient_accumulation(name: str, fraction: object,
                                                      mode: str) -> None:
     model, args, loss_fn = ACCUMULATING[name]()
-    probe = autockpt.plan(model, args, loss_fn=loss_fn, mode=mode, grad_accumulation=True)
-    budget = _budget(probe, fraction)
-    if budget < probe.min_peak_bytes:
-        # The weight-gradient temporaries cannot be checkpointed away.
-        with pytest.raises(autockpt.InfeasibleBudgetError):
-            autockpt.apply(model, budget / 2**20, example_inputs=args, loss_fn=loss_fn,
-                           mode=mode, grad_accumulation=True)
+    _, budget, ckpt = apply_at_fraction(model, fraction, args, loss_fn=loss_fn, mode=mode,
+                                        grad_accumulation=True)
+    if ckpt is None:  # the weight-gradient temporaries cannot be checkpointed away
         return
-    ckpt = autockpt.apply(model, budget / 2**20, example_inputs=args, loss_fn=loss_fn,
-                          mode=mode, grad_accumulation=True)
     plan = autockpt.plan_of(ckpt)
     assert plan.grad_accumulation and "accumulated" in str(plan)
     # From the second micro-batch on, .grad exists when backward runs.
@@ -280,8 +261,7 @@ def test_three_micro_batches_accumulate_the_originals_gradients() -> None:
     for net in (ckpt, twin):
         for x in batches:
             autockpt.loss.cross_entropy_loss(net(x)).backward()
-    for (name, a), (_, b) in zip(ckpt.named_parameters(), twin.named_parameters()):
-        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
+    assert_same_tensors(grads_of(ckpt), grads_of(twin), rtol=1e-5, atol=1e-6)
 
 
 def test_allocated_grads_in_a_plan_for_fresh_ones_warn_once_with_the_fix() -> None:

@@ -10,10 +10,6 @@ in docs/training-setups.md.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,32 +19,36 @@ import torch
 from torch import nn
 
 import autockpt
+from tests.helpers import (
+    MODES,
+    assert_same_tensors,
+    buffers_of,
+    grads_of,
+    params_of,
+    run_workers,
+)
 from tests.train_scripts.setups_model import batch, build, checkpointed, loss_of
 
-MODES = ("non_reentrant", "reentrant")
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "train_scripts" / "dist_setups.py"
 
 
-def state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every gradient, parameter and buffer, cloned."""
-    out = {f"grad:{n}": p.grad.detach().clone() for n, p in model.named_parameters()}
-    out.update({f"param:{n}": p.detach().clone() for n, p in model.named_parameters()})
-    out.update({f"buf:{n}": b.detach().clone() for n, b in model.named_buffers()})
+def state(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every gradient, parameter and buffer, cloned, under the keys the two-process worker
+    (tests/train_scripts/dist_setups.py) uses."""
+    out: dict[str, torch.Tensor | None] = {f"grad:{n}": g for n, g in grads_of(model).items()}
+    out.update({f"param:{n}": p for n, p in params_of(model).items()})
+    out.update({f"buf:{n}": b for n, b in buffers_of(model).items()})
     return out
 
 
-def assert_same(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor],
+def assert_same(expected: dict[str, torch.Tensor | None], actual: dict[str, torch.Tensor | None],
                 exact: bool = True) -> None:
-    assert list(actual) == list(expected)
-    tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {}
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, **tolerance,
-                                   msg=lambda m, key=key: f"{key}: {m}")
+    assert_same_tensors(actual, expected, exact=exact)
 
 
 def step(model: nn.Module, run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
-         micro: int = 1) -> dict[str, torch.Tensor]:
+         micro: int = 1) -> dict[str, torch.Tensor | None]:
     """One training step: ``micro`` micro-batches, each with its own backward, then SGD."""
     run = run or (lambda m, x: m(x))
     model.train()
@@ -171,28 +171,12 @@ def test_data_parallel_around_a_transformed_model() -> None:
 # --------------------------------------------------------------------------- two processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     directory = tmp_path_factory.mktemp("setups")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    port = _free_port()
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(port), str(directory)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for rank in range(2)
-    ]
-    logs = [p.communicate(timeout=400)[0].decode() for p in procs]
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
-    return [torch.load(directory / f"result-{r}.pt", weights_only=True) for r in range(2)]
+    return run_workers(WORKER, 2, directory, timeout_s=400, env={"OMP_NUM_THREADS": "1"})
 
 
 def _assert_scenario_matches(results: list[dict[str, Any]], name: str) -> None:

@@ -12,10 +12,8 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-try:  # tests/ on sys.path (pytest's default rootdir-less import mode)
-    from zoo import CASES, ZooCase, clone_case, flatten_output, get_case, param_count, train_step
-except ModuleNotFoundError:  # tests imported as a package
-    from tests.zoo import CASES, ZooCase, clone_case, flatten_output, get_case, param_count, train_step
+from tests.helpers import assert_same_step, assert_same_tensors, buffers_of, grads_of, train_step
+from tests.zoo import CASES, ZooCase, clone_case, flatten_output, get_case, param_count
 
 EXPECTED_NAMES = {
     "mlp72",
@@ -113,23 +111,20 @@ def test_trace_matches_model(case: ZooCase) -> None:
         assert torch.equal(b_ref, b_tw), f"{case.name}: buffer {name} differs after forward"
 
     # Backward through the traced module: grads land on the twin's (shared) parameters.
-    loss_ref, grads_ref, bufs_ref = train_step(model, case, args, kwargs, seed=5)
-    loss_gm, _, _ = train_step(gm, case, args, kwargs, seed=5)
+    loss_ref, grads_ref, bufs_ref = train_step(model, case.loss_fn, args, kwargs, seed=5)
+    loss_gm, _, _ = train_step(gm, case.loss_fn, args, kwargs, seed=5)
     assert torch.equal(loss_ref, loss_gm)
-    for name, p in twin.named_parameters():
-        g_ref = grads_ref[name]
-        assert (g_ref is None) == (p.grad is None), name
-        if g_ref is not None:
-            assert torch.equal(g_ref, p.grad), f"{case.name}: grad of {name} differs when traced"
-    for name, b in twin.named_buffers():
-        assert torch.equal(bufs_ref[name], b), f"{case.name}: buffer {name} differs after step"
+    assert_same_tensors(grads_of(twin), grads_ref, what=f"{case.name} traced grad ", exact=True,
+                        allow_none=True)
+    assert_same_tensors(buffers_of(twin), bufs_ref, what=f"{case.name} buffer after step ",
+                        exact=True)
 
 
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_train_step_grads(case: ZooCase) -> None:
     model = case.build()
     args, kwargs = case.inputs()
-    loss, grads, _ = train_step(model, case, args, kwargs, seed=0)
+    loss, grads, _ = train_step(model, case.loss_fn, args, kwargs, seed=0)
     assert loss.dim() == 0 and math.isfinite(loss.item())
 
     prefix = FROZEN_PREFIX.get(case.name)
@@ -165,17 +160,9 @@ def test_loss_uses_every_output(case: ZooCase) -> None:
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_twins_bitwise(case: ZooCase) -> None:
     model, twin = clone_case(case)
-    loss_a, grads_a, bufs_a = train_step(model, case, *case.inputs(), seed=7)
-    loss_b, grads_b, bufs_b = train_step(twin, case, *case.inputs(), seed=7)
-    assert torch.equal(loss_a, loss_b)
-    assert list(grads_a) == list(grads_b) and list(bufs_a) == list(bufs_b)
-    for name, g in grads_a.items():
-        other = grads_b[name]
-        assert (g is None) == (other is None), name
-        if g is not None:
-            assert torch.equal(g, other), f"{case.name}: grad of {name} not bitwise reproducible"
-    for name, b in bufs_a.items():
-        assert torch.equal(b, bufs_b[name]), f"{case.name}: buffer {name} not bitwise reproducible"
+    first = train_step(model, case.loss_fn, *case.inputs(), seed=7)
+    assert_same_step(train_step(twin, case.loss_fn, *case.inputs(), seed=7), first,
+                     what=f"{case.name} twin ", exact=True, allow_none=True)
 
 
 def test_buffers_change_in_train_step() -> None:
@@ -185,7 +172,7 @@ def test_buffers_change_in_train_step() -> None:
         model = case.build()
         before = {n: b.clone() for n, b in model.named_buffers()}
         assert before, name
-        _, _, after = train_step(model, case, *case.inputs(), seed=0)
+        _, _, after = train_step(model, case.loss_fn, *case.inputs(), seed=0)
         assert all(not torch.equal(before[n], after[n]) for n in before), name
 
 

@@ -3,8 +3,8 @@
 Every entry is a :class:`ZooCase`: a deterministic model builder, a deterministic input
 factory and a loss that turns the model's output (tensor, tuple or dict) into a scalar that
 depends on every output element.  Tests train each model one step with and without autockpt
-and compare every gradient and buffer; the helpers :func:`clone_case` and :func:`train_step`
-are the shared plumbing for that.
+and compare every gradient and buffer; :func:`clone_case` builds the twins and
+tests/helpers.py's ``train_step`` takes the step.
 
 Each model is written so that ``torch.fx.symbolic_trace`` works in train mode (no Python
 control flow on tensor values; masks are built with tensor ops) and each one exercises a
@@ -32,7 +32,6 @@ __all__ = [
     "flatten_output",
     "get_case",
     "param_count",
-    "train_step",
 ]
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -947,30 +946,3 @@ def clone_case(case: ZooCase) -> tuple[nn.Module, nn.Module]:
     flags_b = [(n, p.requires_grad) for n, p in twin.named_parameters()]
     assert flags_a == flags_b, f"{case.name}: requires_grad flags differ between builds"
     return model, twin
-
-
-def train_step(
-    model: nn.Module,
-    case: ZooCase,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    seed: int,
-) -> tuple[Tensor, dict[str, Tensor | None], dict[str, Tensor]]:
-    """One forward/backward in train mode (no optimizer step).
-
-    Clears existing grads (set to None), seeds the global RNG with ``seed`` (so dropout is
-    reproducible), runs ``model(*args, **kwargs)``, ``case.loss_fn`` and ``backward``.
-    Returns ``(loss.detach(), {param name: grad clone or None}, {buffer name: clone})``,
-    the buffers taken after the step (e.g. updated BatchNorm running stats).
-    """
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    output = model(*args, **kwargs)
-    loss = case.loss_fn(output)
-    loss.backward()
-    grads = {
-        name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in model.named_parameters()
-    }
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    return loss.detach(), grads, buffers
