@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from autockpt.checkpoints import CheckpointFallbackWarning, CheckpointManager
+from autockpt.training import CheckpointFallbackWarning, CheckpointManager
 
 pytestmark = [
     pytest.mark.distributed,
