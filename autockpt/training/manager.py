@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from autockpt.errors import CheckpointError, InvalidArgumentError
-from autockpt.training import rng
 from autockpt.training.distributed import (
     dist_rank_world,
     gather_to_rank0,
@@ -41,6 +40,7 @@ from autockpt.training.payload import (
     read_payload,
     write_file,
 )
+from autockpt.training.rng import restore_rng_state
 from autockpt.training.state_dict import load_into
 
 __all__ = [
@@ -759,7 +759,7 @@ def _apply(
     if rank < len(ranks):
         tensors = payload["rank_tensors"][rank]
         if restore_rng:
-            rng.restore_rng(ranks[rank]["rng"], tensors, CheckpointWarning)
+            restore_rng_state(ranks[rank]["rng"], tensors, CheckpointWarning)
         sampler_state = decode_tree(ranks[rank]["sampler_state"], tensors)
     else:
         warnings.warn(

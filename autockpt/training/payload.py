@@ -25,7 +25,7 @@ from autockpt.training.files import (
     torch_load,
     verify_file,
 )
-from autockpt.training.rng import capture_rng
+from autockpt.training.rng import capture_rng_state
 from autockpt.training.state_dict import canonical_state_dict
 
 __all__ = [
@@ -208,7 +208,7 @@ def local_state(sampler_state: Any) -> tuple[dict[str, Any], list[torch.Tensor]]
     """This rank's RNG states and sampler state, JSON tree plus its tensors."""
     tensors: list[torch.Tensor] = []
     tree = {
-        "rng": capture_rng(tensors),
+        "rng": capture_rng_state(tensors),
         "sampler_state": encode_tree(sampler_state, tensors, "sampler_state"),
     }
     return tree, tensors

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["capture_rng_state", "restore_rng_state"]
 
 
 def _numpy() -> Any:
@@ -21,7 +21,7 @@ def _numpy() -> Any:
     return numpy
 
 
-def capture_rng(tensors: list[torch.Tensor]) -> dict[str, Any]:
+def capture_rng_state(tensors: list[torch.Tensor]) -> dict[str, Any]:
     """This process's RNG states as JSON-able data, torch states moved into ``tensors``."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {"python": [version, list(internal), gauss]}
@@ -38,8 +38,10 @@ def capture_rng(tensors: list[torch.Tensor]) -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: Mapping[str, Any], tensors: list[torch.Tensor], warn: type[Warning]) -> None:
-    """Set this process's RNGs to a state made by :func:`capture_rng`."""
+def restore_rng_state(
+    state: Mapping[str, Any], tensors: list[torch.Tensor], warn: type[Warning]
+) -> None:
+    """Set this process's RNGs to a state made by :func:`capture_rng_state`."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     np = _numpy()
