@@ -59,6 +59,8 @@ Example:
 #   index        the manager's index.json and its recovery
 #   sampler      the resumable sampler
 #   manager      CheckpointManager, save_checkpoint, load_checkpoint
+# and, apart, lint: the static checks of training loops and saves (AC012-AC014), which
+# autockpt.lint runs after its own.
 
 from __future__ import annotations
 
