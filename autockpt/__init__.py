@@ -9,7 +9,7 @@ Example:
 
 from autockpt.api import apply, plan, plan_of
 from autockpt.budget import DeviceBudget
-from autockpt.checkpoints import (
+from autockpt.training import (
     CheckpointFallbackWarning,
     CheckpointManager,
     CheckpointRecord,

@@ -6,6 +6,10 @@ be seen in the source, without running it.
 script's imports, so ``from torch.utils.checkpoint import checkpoint as ckpt`` and
 ``import torch.utils.checkpoint as cp`` are recognised alike.
 
+The script is parsed once into a :class:`~autockpt.script.Script`; :data:`RULE_SETS` then runs
+the activation-checkpoint rules of this module (AC001-AC010) and the training-loop and
+checkpoint-saving rules of :mod:`autockpt.training.lint` (AC012-AC014), in that order.
+
 # NOTE [ What a script shows and what it hides ]
 Source alone cannot say whether a tensor requires grad, so the runtime checks that need that
 (AC001, AC002) become patterns: a reentrant checkpoint whose tensor arguments are all *raw
@@ -33,12 +37,14 @@ from __future__ import annotations
 
 import ast
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from autockpt.errors import InvalidArgumentError
 from autockpt.findings import Finding, Report
+from autockpt.script import DDP_CLASSES, Script
+from autockpt.training.lint import training_findings
 
 __all__ = ["LintSyntaxError", "lint", "source_with_flag"]
 
@@ -47,26 +53,12 @@ _SEQUENTIAL = "torch.utils.checkpoint.checkpoint_sequential"
 _WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 _WRAPPER = f"{_WRAPPER_MODULE}.checkpoint_wrapper"
 _REENTRANT_IMPL = f"{_WRAPPER_MODULE}.CheckpointImpl.REENTRANT"
-_DDP = frozenset({
-    "torch.nn.parallel.DistributedDataParallel",
-    "torch.nn.parallel.distributed.DistributedDataParallel",
-})
-_DP = frozenset({
-    "torch.nn.DataParallel",
-    "torch.nn.parallel.DataParallel",
-    "torch.nn.parallel.data_parallel.DataParallel",
-})
-_COMPILE = frozenset({"torch.compile"})
-_SAVE = frozenset({"torch.save"})
 _GRAD_FN = frozenset({"torch.autograd.grad"})
 _CHECKPOINT_FLAGS = frozenset(
     {"use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug",
      "early_stop"}
 )
 _DATA_WORDS = ("loader", "dataset", "data", "batches")
-_NUMBER_CALLS = frozenset({"item", "tolist", "numpy", "detach", "cpu"})
-_NUMBER_BUILTINS = frozenset({"float", "int", "round", "len", "bool"})
-_NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode"})
 
 
 class LintSyntaxError(InvalidArgumentError):
@@ -133,7 +125,8 @@ def lint(path_or_source: str | os.PathLike[str]) -> Report:
             lineno=err.lineno,
             offset=err.offset,
         ) from err
-    return Report(tuple(_Linter(tree, filename).findings()), subject=filename)
+    script = Script(tree, filename)
+    return Report(tuple(f for rules in RULE_SETS for f in rules(script)), subject=filename)
 
 
 def _read(path_or_source: object) -> tuple[str, str]:
@@ -197,24 +190,14 @@ class _CheckpointCall:
     """True or False when known from the source (missing means True), None when computed."""
 
 
-class _Linter:
-    """One pass over one parsed script."""
+class _CheckpointRules:
+    """One pass of the activation-checkpoint rules over one script."""
 
-    def __init__(self, tree: ast.Module, filename: str) -> None:
-        self.tree = tree
-        self.filename = filename
-        self.parents: dict[ast.AST, ast.AST] = {}
-        for parent in ast.walk(tree):
-            for child in ast.iter_child_nodes(parent):
-                self.parents[child] = parent
-        self.aliases = self._imports()
-        self.classes = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
-        self.calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
-        self.calls.sort(key=lambda n: (n.lineno, n.col_offset))
-        self.assignments = self._assignments()
-        self.checkpoints = [c for c in map(self._checkpoint_call, self.calls) if c is not None]
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.checkpoints = [c for c in map(self._checkpoint_call, script.calls) if c is not None]
         self.grad_marks: list[tuple[str, int, ast.AST]] = sorted(
-            ((name, node.lineno, self.scope_of(node)) for node in ast.walk(tree)
+            ((name, node.lineno, script.scope_of(node)) for node in ast.walk(script.tree)
              if (name := _requires_grad_target(node)) is not None),
             key=lambda mark: mark[1],
         )
@@ -226,104 +209,12 @@ class _Linter:
         found += self._grad_only_inputs()
         found += self._containers()
         found += self._ddp_unused()
-        found += self._accumulated_loss()
-        found += self._wrapped_state_dicts()
-        found += self._optimizer_state()
         return found
-
-    # ----------------------------------------------------------------------- names
-
-    def _imports(self) -> dict[str, str]:
-        aliases: dict[str, str] = {}
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.asname:
-                        aliases[alias.asname] = alias.name
-                    else:
-                        top = alias.name.split(".")[0]
-                        aliases[top] = top
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                for alias in node.names:
-                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-        return aliases
-
-    def resolve(self, node: ast.AST) -> str | None:
-        """The dotted name an expression refers to, through the script's imports."""
-        if isinstance(node, ast.Name):
-            return self.aliases.get(node.id, node.id)
-        if isinstance(node, ast.Attribute):
-            base = self.resolve(node.value)
-            return f"{base}.{node.attr}" if base is not None else None
-        return None
-
-    def where(self, node: ast.AST) -> str:
-        return f"{self.filename}:{getattr(node, 'lineno', 0)}"
-
-    def scope_of(self, node: ast.AST) -> ast.AST:
-        parent = self.parents.get(node)
-        while parent is not None and not isinstance(
-            parent, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-        ):
-            parent = self.parents.get(parent)
-        return parent if parent is not None else self.tree
-
-    def ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
-        parent = self.parents.get(node)
-        while parent is not None:
-            yield parent
-            parent = self.parents.get(parent)
-
-    def _assignments(self) -> list[tuple[str, int, ast.AST, ast.AST | None]]:
-        """Every binding in the script as ``(target text, line, scope, value)``, in order;
-        ``value`` is None for loop targets and other bindings without a single value."""
-        bound: list[tuple[str, int, ast.AST, ast.AST | None]] = []
-        for node in ast.walk(self.tree):
-            targets: list[ast.AST] = []
-            value: ast.AST | None = None
-            if isinstance(node, ast.Assign):
-                targets, value = list(node.targets), node.value
-            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-                targets, value = [node.target], node.value
-                if isinstance(node, ast.AugAssign):
-                    value = None
-            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
-                targets = [node.target]
-            elif isinstance(node, (ast.With, ast.AsyncWith)):
-                targets = [i.optional_vars for i in node.items if i.optional_vars is not None]
-            elif isinstance(node, ast.NamedExpr):
-                targets, value = [node.target], node.value
-            if not targets:
-                continue
-            scope = self.scope_of(node)
-            line = node.target.lineno if isinstance(node, ast.comprehension) else node.lineno
-            for target in targets:
-                for leaf in _target_leaves(target):
-                    single = value if leaf is target else None
-                    bound.append((ast.unparse(leaf), line, scope, single))
-        bound.sort(key=lambda b: b[1])
-        return bound
-
-    def value_at(self, text: str, line: int, scope: ast.AST | None = None) -> ast.AST | None:
-        """The value last assigned to ``text`` before ``line`` (None if unknown)."""
-        value = None
-        for target, at, where, assigned in self.assignments:
-            if at >= line:
-                break
-            if target == text and (scope is None or where is scope):
-                value = assigned
-        return value
-
-    def assigned_between(self, text: str, scope: ast.AST, start: int, end: int) -> bool:
-        return any(
-            target == text and where is scope and start < at < end
-            for target, at, where, _ in self.assignments
-        )
 
     # ----------------------------------------------------------------------- checkpoint calls
 
     def _checkpoint_call(self, node: ast.Call) -> _CheckpointCall | None:
-        name = self.resolve(node.func)
+        name = self.script.resolve(node.func)
         keywords = {k.arg: k.value for k in node.keywords if k.arg is not None}
         star = any(k.arg is None for k in node.keywords)
         if name in (_CHECKPOINT, _SEQUENTIAL):
@@ -337,12 +228,12 @@ class _Linter:
             elif star:
                 reentrant = None
             kind = "checkpoint" if name == _CHECKPOINT else "checkpoint_sequential"
-            return _CheckpointCall(node, kind, self.scope_of(node), flag is not None or star,
+            return _CheckpointCall(node, kind, self.script.scope_of(node), flag is not None or star,
                                    reentrant)
         if name == _WRAPPER:
             impl = keywords.get("checkpoint_impl", node.args[1] if len(node.args) > 1 else None)
-            reentrant = impl is not None and self.resolve(impl) == _REENTRANT_IMPL
-            return _CheckpointCall(node, "checkpoint_wrapper", self.scope_of(node), True,
+            reentrant = impl is not None and self.script.resolve(impl) == _REENTRANT_IMPL
+            return _CheckpointCall(node, "checkpoint_wrapper", self.script.scope_of(node), True,
                                    reentrant)
         return None
 
@@ -357,7 +248,7 @@ class _Linter:
             found.append(Finding(
                 code="AC006",
                 severity="warning",
-                where=self.where(call.node),
+                where=self.script.where(call.node),
                 message=f"{call.kind}() is called without use_reentrant: PyTorch then warns and "
                 "picks the reentrant variant, which gives no gradient to the function's "
                 "parameters when no input requires grad, drops keyword and container "
@@ -398,7 +289,7 @@ class _Linter:
             found.append(Finding(
                 code="AC001",
                 severity="error",
-                where=self.where(call.node),
+                where=self.script.where(call.node),
                 message=f"reentrant {call.kind}() on the raw input ({names}): input data does "
                 "not require grad, so the checkpoint's output does not either, and the "
                 "parameters inside it silently get no gradient.",
@@ -410,7 +301,7 @@ class _Linter:
         function = call.node.args[0] if call.node.args else None
         if function is None:
             return False
-        name = self.resolve(function)
+        name = self.script.resolve(function)
         leaf = (name or "").rsplit(".", 1)[-1]
         if name is not None and name.startswith("torch.") and not leaf[:1].isupper():
             return False  # torch.relu, F.gelu...: nothing to train
@@ -420,9 +311,9 @@ class _Linter:
         """Model classes the script builds outside any other module: their forward receives
         the data batch."""
         top: set[str] = set()
-        for node in self.calls:
-            if isinstance(node.func, ast.Name) and node.func.id in self.classes:
-                if not any(isinstance(a, ast.ClassDef) for a in self.ancestors(node)):
+        for node in self.script.calls:
+            if isinstance(node.func, ast.Name) and node.func.id in self.script.classes:
+                if not any(isinstance(a, ast.ClassDef) for a in self.script.ancestors(node)):
                     top.add(node.func.id)
         return top
 
@@ -443,21 +334,21 @@ class _Linter:
                for marked, at, where in self.grad_marks):
             return None  # given requires_grad on purpose: AC002's business
         loop = self._data_loop(name, call.node)
-        if loop is not None and not self.assigned_between(name, scope, loop.lineno, line):
+        if loop is not None and not self.script.assigned_between(name, scope, loop.lineno, line):
             return ast.unparse(node)
         if base is not node:
             return None
         if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and scope.name == "forward":
-            owner = self.parents.get(scope)
+            owner = self.script.parents.get(scope)
             params = [a.arg for a in (*scope.args.posonlyargs, *scope.args.args,
                                        *scope.args.kwonlyargs)][1:]
             if isinstance(owner, ast.ClassDef) and owner.name in top_level and name in params \
-                    and not self.assigned_between(name, scope, scope.lineno, line):
+                    and not self.script.assigned_between(name, scope, scope.lineno, line):
                 return name
         return None
 
     def _data_loop(self, name: str, node: ast.AST) -> ast.For | None:
-        for ancestor in self.ancestors(node):
+        for ancestor in self.script.ancestors(node):
             if isinstance(ancestor, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 return None
             if isinstance(ancestor, ast.For) and name in {
@@ -471,11 +362,11 @@ class _Linter:
 
     def _grad_only_inputs(self) -> list[Finding]:
         read_grad = {
-            n.value.id for n in ast.walk(self.tree)
+            n.value.id for n in ast.walk(self.script.tree)
             if isinstance(n, ast.Attribute) and n.attr == "grad" and isinstance(n.value, ast.Name)
         }
-        for node in self.calls:
-            if self.resolve(node.func) in _GRAD_FN:
+        for node in self.script.calls:
+            if self.script.resolve(node.func) in _GRAD_FN:
                 read_grad |= {n.id for a in node.args for n in ast.walk(a)
                               if isinstance(n, ast.Name)}
         found = []
@@ -492,7 +383,7 @@ class _Linter:
                 found.append(Finding(
                     code="AC002",
                     severity="warning",
-                    where=f"{self.filename}:{line}",
+                    where=f"{self.script.filename}:{line}",
                     message=f"`{name}` is made to require grad and then passed to "
                     f"{call.kind}() at line {call.node.lineno}, and its .grad is never read: "
                     "backward computes a gradient for it every step and throws it away. "
@@ -505,13 +396,13 @@ class _Linter:
         return found
 
     def _is_parameter(self, name: str, line: int) -> bool:
-        value = self.value_at(name, line + 1)
-        return isinstance(value, ast.Call) and (self.resolve(value.func) or "").endswith(
+        value = self.script.value_at(name, line + 1)
+        return isinstance(value, ast.Call) and (self.script.resolve(value.func) or "").endswith(
             "Parameter")
 
     def _is_scalar_dummy(self, name: str, line: int) -> bool:
         """``torch.empty((), requires_grad=True)``: a dummy whose gradient costs nothing."""
-        value = self.value_at(name, line + 1)
+        value = self.script.value_at(name, line + 1)
         if not isinstance(value, ast.Call) or not value.args:
             return False
         shape = value.args[0]
@@ -539,7 +430,7 @@ class _Linter:
             found.append(Finding(
                 code="AC009",
                 severity="error",
-                where=self.where(call.node),
+                where=self.script.where(call.node),
                 message=f"reentrant checkpoint given {' and '.join(parts)}: the reentrant "
                 "variant only tracks tensors passed directly as positional arguments, so "
                 "gradients never flow back through the others (keyword arguments make it "
@@ -554,8 +445,8 @@ class _Linter:
 
     def _ddp_unused(self) -> list[Finding]:
         reentrant = [c.node for c in self.checkpoints if c.reentrant is True]
-        for node in self.calls:
-            if self.resolve(node.func) == "autockpt.apply" and any(
+        for node in self.script.calls:
+            if self.script.resolve(node.func) == "autockpt.apply" and any(
                 k.arg == "mode" and isinstance(k.value, ast.Constant)
                 and k.value.value == "reentrant" for k in node.keywords
             ):
@@ -564,8 +455,8 @@ class _Linter:
             return []
         reentrant.sort(key=lambda n: (n.lineno, n.col_offset))
         found = []
-        for node in self.calls:
-            if self.resolve(node.func) not in _DDP:
+        for node in self.script.calls:
+            if self.script.resolve(node.func) not in DDP_CLASSES:
                 continue
             flags = {k.arg: k.value for k in node.keywords if k.arg is not None}
             unused = flags.get("find_unused_parameters")
@@ -577,7 +468,7 @@ class _Linter:
             found.append(Finding(
                 code="AC010",
                 severity="error",
-                where=self.where(node),
+                where=self.script.where(node),
                 message="DistributedDataParallel with find_unused_parameters=True, and the "
                 f"script uses reentrant checkpoint (line {reentrant[0].lineno}): the "
                 "reentrant backward runs the checkpointed parameters' gradient hooks a second "
@@ -588,247 +479,18 @@ class _Linter:
             ))
         return found
 
-    # ----------------------------------------------------------------------- AC012
 
-    def _accumulated_loss(self) -> list[Finding]:
-        found = []
-        backward_names = {
-            (self.scope_of(n), n.func.value.id) for n in self.calls
-            if isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
-            and isinstance(n.func.value, ast.Name)
-        }
-        for node in ast.walk(self.tree):
-            pair = _accumulation(node)
-            if pair is None:
-                continue
-            total, loss = pair
-            scope = self.scope_of(node)
-            if (scope, total) in backward_names or not self._in_grad_loop(node):
-                continue
-            is_loss = (scope, loss) in backward_names
-            if not is_loss and "loss" in loss.lower():
-                value = self.value_at(loss, node.lineno, scope)  # type: ignore[attr-defined]
-                is_loss = isinstance(value, (ast.Call, ast.BinOp)) and not _plain_number(value)
-            if not is_loss:
-                continue
-            found.append(Finding(
-                code="AC012",
-                severity="warning",
-                where=self.where(node),
-                message=f"`{ast.unparse(node).strip()}` keeps the loss tensor `{loss}`, and "
-                "with it the autograd graph of every step (all activations saved for "
-                "backward), alive until the loop ends: memory grows every step.",
-                fix=f"{total} += {loss}.item()  # or {loss}.detach()",
-            ))
-        return found
+def _checkpoint_findings(script: Script) -> list[Finding]:
+    """The AC006, AC001, AC002, AC009 and AC010 findings in ``script``, in that order."""
+    return _CheckpointRules(script).findings()
 
-    def _in_grad_loop(self, node: ast.AST) -> bool:
-        in_loop = False
-        for ancestor in self.ancestors(node):
-            if isinstance(ancestor, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                break
-            if isinstance(ancestor, (ast.For, ast.While, ast.AsyncFor)):
-                in_loop = True
-            if isinstance(ancestor, (ast.With, ast.AsyncWith)) and any(
-                isinstance(i.context_expr, ast.Call)
-                and self.resolve(i.context_expr.func) in _NO_GRAD for i in ancestor.items
-            ):
-                return False  # no graph is recorded under no_grad
-        return in_loop
 
-    # ----------------------------------------------------------------------- AC013
-
-    def _wrapper_of(self, text: str, line: int) -> str | None:
-        """The wrapper (DataParallel, DDP, torch.compile) ``text`` holds at ``line``."""
-        if text.endswith((".module", "._orig_mod")):
-            return None
-        value = self.value_at(text, line)
-        if isinstance(value, ast.Call):
-            name = self.resolve(value.func)
-            if name in _DP:
-                return "DataParallel"
-            if name in _DDP:
-                return "DistributedDataParallel"
-            if name in _COMPILE:
-                return "torch.compile"
-        return None
-
-    def _state_dict_owners(self, node: ast.AST) -> list[ast.Call]:
-        """``X.state_dict()`` calls inside ``node`` (through a dict assigned to a name)."""
-        values = [node]
-        if isinstance(node, ast.Name):
-            values += self._dict_values(node)
-        found = []
-        for value in values:
-            for n in ast.walk(value):
-                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
-                        n.func.attr == "state_dict":
-                    found.append(n)
-        return found
-
-    def _dict_values(self, name: ast.Name) -> list[ast.AST]:
-        """What a dict held in ``name`` was built from before its use: the dict literal and
-        the ``name["key"] = value`` assignments."""
-        line = name.lineno
-        scope = self.scope_of(name)
-        parts: list[ast.AST] = []
-        value = self.value_at(name.id, line, scope)
-        if value is not None:
-            parts.append(value)
-        for node in ast.walk(scope):
-            if isinstance(node, ast.Assign) and node.lineno < line:
-                for target in node.targets:
-                    if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) \
-                            and target.value.id == name.id:
-                        parts += [target.slice, node.value]
-        return parts
-
-    def _wrapped_state_dicts(self) -> list[Finding]:
-        saves: list[tuple[ast.Call, ast.Call, str | None]] = []
-        loads: list[tuple[ast.Call, str | None]] = []
-        optimizers = self._optimizers()
-        for node in self.calls:
-            if self.resolve(node.func) in _SAVE and node.args:
-                for owner in self._state_dict_owners(node.args[0]):
-                    text = ast.unparse(owner.func.value)  # type: ignore[attr-defined]
-                    if text not in optimizers:
-                        saves.append((node, owner, self._wrapper_of(text, node.lineno)))
-            elif isinstance(node.func, ast.Attribute) and node.func.attr == "load_state_dict":
-                text = ast.unparse(node.func.value)
-                if text not in optimizers:
-                    loads.append((node, self._wrapper_of(text, node.lineno)))
-        wrapped_saves = [s for s in saves if s[2] is not None]
-        bare_saves = [s for s in saves if s[2] is None]
-        found = []
-        for save, owner, wrapper in wrapped_saves:
-            text = ast.unparse(owner.func.value)  # type: ignore[attr-defined]
-            prefix = "_orig_mod." if wrapper == "torch.compile" else "module."
-            inner = "_orig_mod" if wrapper == "torch.compile" else "module"
-            found.append(Finding(
-                code="AC013",
-                severity="warning",
-                where=self.where(save),
-                message=f"saves the state_dict of `{text}`, which is wrapped in {wrapper}: "
-                f"every key starts with '{prefix}', so loading it into the bare model fails "
-                "with missing and unexpected keys (or, with strict=False, loads nothing).",
-                fix=f"torch.save({text}.{inner}.state_dict(), path)",
-            ))
-        for load, wrapper in loads:
-            # Only a save and a load in the same function are known to share the file.
-            scope = self.scope_of(load)
-            wrapped_here = [s for s in wrapped_saves if self.scope_of(s[0]) is scope]
-            bare_here = [s for s in bare_saves if self.scope_of(s[0]) is scope]
-            if wrapper is None and wrapped_here:
-                save = wrapped_here[0][0]
-                found.append(Finding(
-                    code="AC013",
-                    severity="warning",
-                    where=self.where(load),
-                    message="loads into a bare model a state_dict that this script saves from "
-                    f"a wrapped model (line {save.lineno}): its keys carry the wrapper's "
-                    "prefix and do not match.",
-                    fix="from torch.nn.modules.utils import "
-                    "consume_prefix_in_state_dict_if_present\n"
-                    "state = torch.load(path)\n"
-                    "consume_prefix_in_state_dict_if_present(state, \"module.\")  # "
-                    "or \"_orig_mod.\"\n"
-                    "model.load_state_dict(state)",
-                ))
-            elif wrapper is not None and bare_here and not wrapped_here:
-                text = ast.unparse(load.func.value)  # type: ignore[attr-defined]
-                inner = "_orig_mod" if wrapper == "torch.compile" else "module"
-                found.append(Finding(
-                    code="AC013",
-                    severity="warning",
-                    where=self.where(load),
-                    message=f"loads into `{text}`, wrapped in {wrapper}, a state_dict that "
-                    f"this script saves from a bare model (line {bare_here[0][0].lineno}): "
-                    "the wrapper expects every key with its prefix.",
-                    fix=f"{text}.{inner}.load_state_dict(torch.load(path))",
-                ))
-        return found
-
-    # ----------------------------------------------------------------------- AC014
-
-    def _optimizers(self, stateful: bool = False) -> dict[str, str]:
-        """Names holding an optimizer (``opt = torch.optim.Adam(...)``) -> its class; with
-        ``stateful``, only those with state to lose (plain SGD without momentum has none)."""
-        found: dict[str, str] = {}
-        for target, _, _, value in self.assignments:
-            if not isinstance(value, ast.Call):
-                continue
-            name = self.resolve(value.func) or ""
-            cls = name.rsplit(".", 1)[-1]
-            if not name.startswith("torch.optim.") or "lr_scheduler" in name or \
-                    not cls[:1].isupper():
-                continue
-            if stateful and cls == "SGD":
-                momentum = {k.arg: k.value for k in value.keywords}.get("momentum")
-                if momentum is None or (isinstance(momentum, ast.Constant)
-                                        and not momentum.value):
-                    continue
-            found.setdefault(target, cls)
-        return found
-
-    def _stateful_helpers(self) -> set[str]:
-        """Names holding an LR scheduler or a gradient scaler: not model state either."""
-        helpers = set()
-        for target, _, _, value in self.assignments:
-            if isinstance(value, ast.Call):
-                name = self.resolve(value.func) or ""
-                if "lr_scheduler" in name or name.endswith("GradScaler"):
-                    helpers.add(target)
-        return helpers
-
-    def _optimizer_state(self) -> list[Finding]:
-        stateful = self._optimizers(stateful=True)
-        if not stateful:
-            return []
-        optimizers = self._optimizers()
-        helpers = self._stateful_helpers()
-        found = []
-        for node in self.calls:
-            if self.resolve(node.func) not in _SAVE or not node.args:
-                continue
-            payload = node.args[0]
-            parts: list[ast.AST] = [payload]
-            if isinstance(payload, ast.Name):
-                parts = self._dict_values(payload)
-            if not any(_is_dict(p) for p in parts):
-                continue  # saving the weights alone (for inference) is fine
-            owners = [ast.unparse(c.func.value)  # type: ignore[attr-defined]
-                      for p in parts for c in self._state_dict_owners(p)]
-            keys = [k.value.lower() for p in parts for k in ast.walk(p)
-                    if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-            has_model = any(o not in optimizers and o not in helpers for o in owners)
-            has_optimizer = any(o in optimizers for o in owners) or any(
-                "optim" in k for k in keys)
-            if has_model and not has_optimizer:
-                name, cls = next(iter(stateful.items()))
-                found.append(Finding(
-                    code="AC014",
-                    severity="warning",
-                    where=self.where(node),
-                    message="saves a training checkpoint with the model's state but not the "
-                    f"optimizer's, while the script trains with `{name}` ({cls}): resuming "
-                    "from it restarts the optimizer's state (Adam's moments, SGD's momentum) "
-                    "from zero, and the loss jumps.",
-                    fix=f"torch.save({{\"model\": model.state_dict(), \"optimizer\": "
-                    f"{name}.state_dict(), \"epoch\": epoch}}, path)\n"
-                    f"# resume: {name}.load_state_dict(checkpoint[\"optimizer\"])",
-                ))
-        return found
+RULE_SETS: tuple[Callable[[Script], list[Finding]], ...] = (_checkpoint_findings, training_findings)
+"""What :func:`lint` runs on a script, in order: the activation-checkpoint rules here, then the
+training-loop and checkpoint-saving rules of :mod:`autockpt.training.lint`."""
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _target_leaves(target: ast.AST) -> list[ast.AST]:
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return [leaf for element in target.elts for leaf in _target_leaves(element)]
-    if isinstance(target, ast.Starred):
-        return _target_leaves(target.value)
-    return [target]
 
 
 def source_with_flag(line: str, flag: str) -> str | None:
@@ -893,43 +555,3 @@ def _is_requires_grad_call(node: ast.AST) -> bool:
         return False
     flags = [*node.args, *(k.value for k in node.keywords)]
     return not flags or (isinstance(flags[0], ast.Constant) and flags[0].value is True)
-
-
-def _accumulation(node: ast.AST) -> tuple[str, str] | None:
-    """``(total, loss)`` for ``total += loss``, ``total = total + loss`` and
-    ``totals.append(loss)``."""
-    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and \
-            isinstance(node.target, ast.Name) and isinstance(node.value, ast.Name):
-        return node.target.id, node.value.id
-    if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
-            isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.BinOp) and \
-            isinstance(node.value.op, ast.Add):
-        total = node.targets[0].id
-        left, right = node.value.left, node.value.right
-        if isinstance(left, ast.Name) and isinstance(right, ast.Name):
-            if left.id == total:
-                return total, right.id
-            if right.id == total:
-                return total, left.id
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-        call = node.value
-        if isinstance(call.func, ast.Attribute) and call.func.attr == "append" and \
-                isinstance(call.func.value, ast.Name) and len(call.args) == 1 and \
-                isinstance(call.args[0], ast.Name):
-            return call.func.value.id, call.args[0].id
-    return None
-
-
-def _plain_number(value: ast.AST) -> bool:
-    """Whether an expression turns a tensor into a Python number or a detached tensor."""
-    if not isinstance(value, ast.Call):
-        return False
-    if isinstance(value.func, ast.Attribute):
-        return value.func.attr in _NUMBER_CALLS
-    return isinstance(value.func, ast.Name) and value.func.id in _NUMBER_BUILTINS
-
-
-def _is_dict(node: ast.AST) -> bool:
-    return isinstance(node, ast.Dict) or (
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict"
-    )

@@ -1,4 +1,4 @@
-"""Unit tests of autockpt.checkpoints: the manager, file format, integrity checks, loading
+"""Unit tests of autockpt.training: the manager, file format, integrity checks, loading
 across wrappers, argument validation and the resumable sampler. Everything runs in-process on
 CPU with real torch objects; the subprocess and multi-process tests live in the sibling
 test_checkpoints_*.py files."""
@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.data import DataLoader
 
-from autockpt.checkpoints import (
+from autockpt.training import (
     CheckpointFallbackWarning,
     CheckpointManager,
     CheckpointRecord,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from autockpt.checkpoints import CheckpointManager, CheckpointWarning, load_checkpoint
+from autockpt.training import CheckpointManager, CheckpointWarning, load_checkpoint
 
 TRIALS = 60
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from autockpt.checkpoints import CheckpointFallbackWarning, CheckpointManager
+from autockpt.training import CheckpointFallbackWarning, CheckpointManager
 from tests.helpers import run_workers
 
 pytestmark = [

@@ -1,17 +1,22 @@
-"""The user guide's code and the docstring examples of autockpt.checkpoints actually run."""
+"""The user guide's code and the docstring examples of autockpt.training actually run."""
 
 from __future__ import annotations
 
 import doctest
+import importlib
+import pkgutil
 import re
 import warnings
 from pathlib import Path
 
 import pytest
 
-import autockpt.checkpoints
+import autockpt.training
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "training-checkpoints.md"
+MODULES = ["autockpt.training"] + sorted(
+    m.name for m in pkgutil.iter_modules(autockpt.training.__path__, "autockpt.training.")
+)
 BLOCK = re.compile(r"(?P<marker><!-- not-run:[^>]*-->\n)?```python\n(?P<code>.*?)```", re.S)
 
 
@@ -36,5 +41,10 @@ def test_docstring_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(tempfile, "tempdir", None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        failed, attempted = doctest.testmod(autockpt.checkpoints, optionflags=doctest.ELLIPSIS)
+        results = [
+            doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+            for name in MODULES
+        ]
+    failed = sum(r.failed for r in results)
+    attempted = sum(r.attempted for r in results)
     assert attempted >= 20 and failed == 0

@@ -10,7 +10,7 @@ import pytest
 
 import autockpt
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(autockpt.__path__, "autockpt."))
+MODULES = sorted(m.name for m in pkgutil.walk_packages(autockpt.__path__, "autockpt."))
 
 
 @pytest.mark.parametrize("name", MODULES)

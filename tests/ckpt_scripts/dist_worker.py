@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from autockpt.checkpoints import CheckpointManager
+from autockpt.training import CheckpointManager
 
 warnings.filterwarnings("ignore")  # torch's FSDP1/ShardedTensor deprecation chatter
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from autockpt.checkpoints import CheckpointManager, ResumableSampler
+from autockpt.training import CheckpointManager, ResumableSampler
 
 
 def main() -> None:
