@@ -119,8 +119,8 @@ class MemoryModel:
     plan. Prefix sums and range maxima are computed once, so that each block's numbers cost
     O(1) for the dynamic programmes; every peak a method returns is ``held`` plus a number
     that does not depend on ``held``. ``follows_segment`` says whether the stage before the
-    block ends a checkpointed segment (then what crosses into the block is held by nobody
-    yet).
+    block ends a checkpointed segment (then what that stage saves of the tensors crossing
+    into the block is not held yet).
     """
 
     def __init__(self, chain: Chain, mode: str) -> None:
@@ -274,7 +274,8 @@ class MemoryModel:
         saved = 0  # what the recompute has saved so far
         # The segment's inputs are held as checkpoint inputs, not saved again.
         follows_segment = True
-        steps: list[tuple[int, int, Tree, int, int]] = []  # (first, last, inner, saved before, inputs)
+        # (first, last, inner, saved before it, inputs; -1 for a plain stage)
+        steps: list[tuple[int, int, Tree, int, int]] = []
         t = a
         while t <= b:
             stage, cut = stages[t], cuts[t]
@@ -310,7 +311,8 @@ class MemoryModel:
         ends = [s[3] for s in steps[1:]] + [saved]
         for (x, y, tree, saved_before, inputs), saved_after in zip(steps, ends):
             if inputs < 0:  # a plain stage
-                value = outside + saved_after - stages[x].saved_bytes + stages[x].backward_peak_bytes
+                value = (outside + saved_after - stages[x].saved_bytes
+                         + stages[x].backward_peak_bytes)
             else:
                 held = outside - self.model_output_bytes + saved_before
                 value, after, _ = self.segment(x, y, held, inputs)

@@ -12,9 +12,8 @@ and returns a :class:`Plan`. It works in three steps:
 2. **Stages.** The candidate cuts split the graph into a chain of stages.
 3. **Segments.** A strategy picks ranges of consecutive stages to checkpoint, and
    :func:`~autockpt.memory_model.estimate_peak` predicts the peak activation memory of any
-   choice. Below the least
-   memory one level of segments reaches, ``"optimal"`` checkpoints ranges again inside
-   segments (:mod:`autockpt.nested`).
+   choice. Below the least memory one level of segments reaches, ``"optimal"`` checkpoints
+   ranges again inside segments (:mod:`autockpt.nested`).
 
 The layers below it, each using only the ones under it: the chain of stages and cuts
 (:mod:`autockpt.chain`), the memory model that prices a plan on it

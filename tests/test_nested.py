@@ -16,7 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
 from autockpt.chain import build_chain
-from autockpt.memory_model import MemoryModel, as_tree, estimate_peak, estimate_tree_peak, tree_depth
+from autockpt.memory_model import (MemoryModel, as_tree, estimate_peak, estimate_tree_peak,
+                                   tree_depth)
 from autockpt.optimal import optimal_ranges
 from autockpt.planner import make_plan
 from autockpt.profile import profile
