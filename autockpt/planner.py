@@ -4,20 +4,22 @@ The planner reads a :class:`~autockpt.stats.Profile` (numbers about nodes and st
 and returns a :class:`Plan`. It works in three steps:
 
 1. **Cut points.** A cut between two nodes is a candidate where few gradient-carrying tensors
-   cross it (the articulation points of the data flow: block boundaries of a ResNet or a
+   cross it (no more than at the cheapest cut: block boundaries of a ResNet or a
    transformer, every layer of an MLP). Tensors that carry no gradient (an attention mask built
    from token ids) do not count, so a mask that every layer reads does not prevent cutting.
    Cuts are never placed where a container of tensors crosses (reentrant checkpoint would lose
    their gradients) or between a tensor and an in-place op on it.
 2. **Stages.** The candidate cuts split the graph into a chain of stages.
 3. **Segments.** A strategy picks ranges of consecutive stages to checkpoint, and
-   :func:`estimate_peak` predicts the peak activation memory of any choice. Below the least
-   memory one level of segments reaches, ``"optimal"`` checkpoints ranges again inside
-   segments (:mod:`autockpt.nested`).
+   :func:`~autockpt.memory_model.estimate_peak` predicts the peak activation memory of any
+   choice. Below the least memory one level of segments reaches, ``"optimal"`` checkpoints
+   ranges again inside segments (:mod:`autockpt.nested`).
 
-The memory model and the optimal dynamic programme live in :mod:`autockpt.chain`, nested
-plans in :mod:`autockpt.nested`; this module holds the strategies, the :class:`Plan` and the
-description of its rows.
+The layers below it, each using only the ones under it: the chain of stages and cuts
+(:mod:`autockpt.chain`), the memory model that prices a plan on it
+(:mod:`autockpt.memory_model`), and the two dynamic programmes, for single-level segments
+(:mod:`autockpt.optimal`) and nested ones (:mod:`autockpt.nested`). This module holds the
+strategies, the :class:`Plan` and the description of its rows.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from autockpt.budget import DeviceBudget
-from autockpt.chain import (Chain, Ranges, build_chain, estimate_peak, least_peak, optimal_ranges,
-                            recompute_cost)
+from autockpt.chain import Chain, build_chain
 from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
-from autockpt.nested import Tree, as_tree, estimate_tree_peak, flatten_tree, nested_plans, tree_depth
+from autockpt.memory_model import (Ranges, Tree, as_tree, estimate_peak, estimate_tree_peak,
+                                   flatten_tree, recompute_cost, tree_depth)
+from autockpt.nested import nested_plans
+from autockpt.optimal import least_peak, optimal_ranges
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile
 
 __all__ = ["Segment", "Plan", "make_plan", "STRATEGIES", "MODES", "BUDGET_SLACK"]
@@ -179,7 +183,7 @@ def _split_balanced(chain: Chain, k: int) -> list[tuple[int, int]]:
     """Split the gradient-carrying stages into about ``k`` groups of similar cost, never
     across a stage that carries no gradient."""
     runs = _grad_runs(chain)
-    total = sum(chain.backward_peak[t] + 1 for a, b in runs for t in range(a, b + 1))
+    total = sum(chain.stages[t].backward_peak_bytes + 1 for a, b in runs for t in range(a, b + 1))
     if not runs or k <= 0:
         return []
     share = total / k
@@ -187,7 +191,7 @@ def _split_balanced(chain: Chain, k: int) -> list[tuple[int, int]]:
     for a, b in runs:
         start, acc = a, 0.0
         for t in range(a, b + 1):
-            acc += chain.backward_peak[t] + 1
+            acc += chain.stages[t].backward_peak_bytes + 1
             if acc >= share and t < b:
                 groups.append((start, t))
                 start, acc = t + 1, 0.0
@@ -278,7 +282,7 @@ def _sqrt(chain: Chain, budget: int | None, mode: str, nesting: bool
 def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
              ) -> tuple[Tree | None, int]:
     """The least recompute under the budget, exactly, for the memory model of
-    :mod:`autockpt.chain` (a dynamic programme over the chain); below the least peak of
+    :mod:`autockpt.memory_model` (a dynamic programme over the chain); below the least peak of
     single-level plans, nested plans from the rotor programme (NOTE [ Where nesting pays ])."""
     least_ranges: Ranges = ()
     if budget is not None:

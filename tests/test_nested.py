@@ -15,8 +15,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
-from autockpt.chain import build_chain, estimate_peak, optimal_ranges
-from autockpt.nested import _nested_backward, as_tree, estimate_tree_peak, tree_depth
+from autockpt.chain import build_chain
+from autockpt.memory_model import (MemoryModel, as_tree, estimate_peak, estimate_tree_peak,
+                                   tree_depth)
+from autockpt.optimal import optimal_ranges
 from autockpt.planner import make_plan
 from autockpt.profile import profile
 from autockpt.report import plan_rows
@@ -182,20 +184,18 @@ def test_tree_estimate_equals_the_flat_model_on_flat_plans() -> None:
 def test_nested_walk_never_prices_a_segment_below_the_exact_model() -> None:
     """The walk used for nested segments, run on a segment without inner ones, gives at
     least what the exact single-level model gives (it may only over-estimate)."""
-    from autockpt.chain import _CKPT, _Model
-
     chain = build_chain(_profile(_deep(), _input()))
-    model = _Model(chain, "non_reentrant")
+    model = MemoryModel(chain, "non_reentrant")
     grads = [t for t, stage in enumerate(chain.stages) if stage.carries_grad]
     checked = 0
     for a in grads[:6]:
         for b in grads:
             if b < a or any(not chain.stages[t].carries_grad for t in range(a, b + 1)):
                 continue
-            inputs = model.segment_inputs(a, _CKPT)
+            inputs = model.segment_inputs(a, follows_segment=True)
             exact, after, _ = model.segment(a, b, 0, inputs)
-            walked = _nested_backward(model, a, b, (), after + model.base)
-            assert walked >= exact - chain.grad_entry[b], (a, b)
+            walked = model.nested_backward(a, b, (), after + model.model_output_bytes)
+            assert walked >= exact - chain.stages[b].grad_entry_bytes, (a, b)
             checked += 1
     assert checked > 20
 

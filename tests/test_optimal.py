@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from autockpt.chain import Chain, Ranges, Stage, build_chain, estimate_peak, optimal_ranges
-from autockpt.chain import recompute_cost
+from autockpt.chain import Chain, Cut, ForwardPeaks, Stage, build_chain
+from autockpt.memory_model import Ranges, estimate_peak, recompute_cost
+from autockpt.optimal import optimal_ranges
 from autockpt.profile import profile
 from autockpt.trace import trace
 
@@ -48,30 +49,35 @@ def random_chain(rng: random.Random, count: int) -> Chain:
     def ints(n: int, hi: int) -> tuple[int, ...]:
         return tuple(rng.randrange(0, hi) for _ in range(n))
 
-    def stage(t: int) -> Stage:
+    def stage(t: int) -> tuple[int, bool, int]:
         cost = rng.randrange(1, 100)
         # What a non-reentrant recompute ending there skips: part of the stage, or none.
-        return Stage(start=t, end=t + 1, cost=cost, flops=0,
-                     carries_grad=t > 0 and rng.random() > 0.1,
-                     tail_cost=rng.choice([0, rng.randrange(0, cost + 1)]))
+        return (cost, t > 0 and rng.random() > 0.1, rng.choice([0, rng.randrange(0, cost + 1)]))
 
-    stages = tuple(stage(t) for t in range(count))
+    costs = [stage(t) for t in range(count)]
     # Nothing crosses before the first stage or after the last one.
     cross = [(0, *ints(count - 1, 50), 0) for _ in range(4)]
     forward_plain, forward_ckpt = ints(count, 300), ints(count, 100)
     crossing = [sum(c[t] for c in cross) for t in range(count)]
+    # Drawn in this order so that each seed gives the chains it always gave.
+    saved, long_lived, long_lived_saved = ints(count, 200), ints(count, 20), ints(count, 20)
+    output = (0,) * (count - 1) + (rng.randrange(1, 30),)
+    grad_entry, backward_peak = ints(count, 60), ints(count, 300)
+    # Received tensors die somewhere in the stage: between none and all of them counted.
+    plain_in = tuple(f + rng.randrange(0, x + 1) for f, x in zip(forward_plain, crossing))
+    ckpt_in = tuple(f + rng.randrange(0, x + 1) for f, x in zip(forward_ckpt, crossing))
+    stop_in = tuple(rng.randrange(0, f + 1) for f in forward_plain)
     return Chain(
-        stages=stages,
-        internal_saved=ints(count, 200),
-        cross_prev=cross[0], cross_next=cross[1], cross_both=cross[2], cross_none=cross[3],
-        long_held=ints(count, 20), long_saved=ints(count, 20), output_bytes=(0,) * (count - 1)
-        + (rng.randrange(1, 30),),
-        grad_entry=ints(count, 60), backward_peak=ints(count, 300),
-        forward_plain=forward_plain, forward_ckpt=forward_ckpt,
-        # Received tensors die somewhere in the stage: between none and all of them counted.
-        forward_plain_in=tuple(f + rng.randrange(0, x + 1) for f, x in zip(forward_plain, crossing)),
-        forward_ckpt_in=tuple(f + rng.randrange(0, x + 1) for f, x in zip(forward_ckpt, crossing)),
-        forward_stop_in=tuple(rng.randrange(0, f + 1) for f in forward_plain),
+        stages=tuple(
+            Stage(start=t, end=t + 1, cost=cost, flops=0, carries_grad=grad,
+                  saved_bytes=saved[t], long_lived_bytes=long_lived[t],
+                  long_lived_saved_bytes=long_lived_saved[t], output_bytes=output[t],
+                  grad_entry_bytes=grad_entry[t], backward_peak_bytes=backward_peak[t],
+                  forward=ForwardPeaks(forward_plain[t], forward_ckpt[t], plain_in[t],
+                                       ckpt_in[t], stop_in[t]),
+                  tail_cost=tail)
+            for t, (cost, grad, tail) in enumerate(costs)),
+        cuts=tuple(Cut(*(c[k] for c in cross)) for k in range(count + 1)),
     )
 
 

@@ -1,0 +1,365 @@
+"""What a plan costs on a :class:`~autockpt.chain.Chain`: its peak memory and its recompute.
+
+Plain numbers only. A plan is a :data:`Tree` of checkpointed stage ranges (single-level plans
+are :data:`Ranges`, :func:`as_tree` turns them into a tree). :class:`MemoryModel` estimates
+the peak activation bytes of one forward and backward with any plan, and gives the dynamic
+programmes above it (:mod:`autockpt.optimal`, :mod:`autockpt.nested`) each block's numbers in
+constant time; :func:`estimate_peak`, :func:`estimate_tree_peak` and :func:`recompute_cost`
+price a whole plan.
+
+# NOTE [ The memory model ]
+Every activation storage is internal to a stage, crosses one cut, or is long-lived (NOTE
+[ Internal, crossing and long-lived storages ] in :mod:`autockpt.chain`). It is held for
+backward:
+
+* internal: iff its stage is not checkpointed and saves it;
+* crossing from stage ``c-1`` to stage ``c``: iff ``c-1`` is not checkpointed and saves it,
+  or ``c`` is not checkpointed and saves it, or ``c`` starts a checkpointed segment
+  (checkpoint keeps its inputs for the recompute);
+* long-lived: from its producer on, whatever the plan. This is conservative.
+
+Backward runs the stages in reverse and frees a held storage once the earliest stage holding it
+is done, so while backward is in stage ``t`` the storages held by stages ``<= t`` are alive:
+``H(t)``, which grows left to right. Not checkpointed, stage ``t`` peaks in backward at
+``H(t)`` less its own internal saved storages, plus its ``backward_peak_bytes``: those
+storages as its ops free them, the gradients alive and the working set of the op running
+(NOTE [ Gradients in backward ] in :mod:`autockpt.chain`). In a checkpointed segment
+``[a, b]``, stage ``t`` runs its backward with ``H(b)`` and what the recompute saved for
+stages ``a..t-1`` (a second copy of every storage they save; in reentrant mode also the
+segment's outputs and their gradients), plus its ``backward_peak_bytes``; the recompute
+itself peaks like a forward with the gradient entering ``b`` alive. In forward stage ``t``
+peaks at what is held from earlier stages, the tensors crossing into it, and its own working
+set (its :class:`~autockpt.chain.ForwardPeaks`). The estimate is the largest of all these.
+Because ``H`` only grows and every peak term depends on the choices before a cut only through
+``H`` and whether the stage before the cut ends a checkpointed segment, a dynamic programme
+over cuts with Pareto frontiers of ``(H, cost)`` is exact for this model
+(:func:`autockpt.optimal.optimal_ranges`).
+
+# NOTE [ The nested memory model ]
+A segment without inner segments is priced exactly as above. For one with inner segments the
+first forward is the same (nothing inside is saved), and its backward is a walk over its
+stages like a little model of its own, on top of what is held outside it (its inputs, what
+earlier stages hold, the model's outputs) and the gradient entering its last stage: the
+recompute saves what its plain stages save, and only their inputs for the inner segments;
+then backward goes through the stages in reverse, an inner segment being priced recursively
+on top of what the stages before it saved. Where the single-level model is exact about which
+side of a cut saves a crossing tensor or how long a long-lived one lives, this walk takes the
+larger count, so it over-estimates rather than under-estimates
+(:meth:`MemoryModel.nested_backward`). Nested plans are priced in non-reentrant mode only
+(NOTE [ Where nesting pays ] in :mod:`autockpt.nested`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from autockpt.chain import Chain
+
+__all__ = ["Ranges", "Tree", "as_tree", "flatten_tree", "tree_depth", "MemoryModel",
+           "estimate_peak", "estimate_tree_peak", "segment_cost", "recompute_cost", "tree_cost"]
+
+Ranges = tuple[tuple[int, int], ...]
+"""Checkpointed segments as inclusive ``(first_stage, last_stage)`` pairs, sorted, disjoint."""
+
+Tree = tuple[tuple[int, int, "Tree"], ...]
+"""Checkpointed stage ranges ``(first, last, inner)``, sorted and disjoint, where ``inner`` is
+the tree of ranges checkpointed again inside ``first..last``."""
+
+
+def as_tree(ranges: Ranges) -> Tree:
+    """Single-level ranges as a tree."""
+    return tuple((a, b, ()) for a, b in ranges)
+
+
+def flatten_tree(tree: Tree) -> list[tuple[int, int, int]]:
+    """Every range of ``tree`` as ``(first, last, depth)``, outer before inner (preorder)."""
+    out: list[tuple[int, int, int]] = []
+
+    def walk(nodes: Tree, depth: int) -> None:
+        for a, b, inner in nodes:
+            out.append((a, b, depth))
+            walk(inner, depth + 1)
+
+    walk(tree, 0)
+    return out
+
+
+def tree_depth(tree: Tree) -> int:
+    """The deepest nesting: 0 for no range, 1 for single-level ranges."""
+    return max((d + 1 for _, _, d in flatten_tree(tree)), default=0)
+
+
+def _running_max(values: Sequence[int]) -> list[list[int]]:
+    """``out[a][k]``: the largest of ``values[a : a + k + 1]``."""
+    out = []
+    for a in range(len(values)):
+        row = []
+        best = values[a]
+        for v in values[a:]:
+            best = max(best, v)
+            row.append(best)
+        out.append(row)
+    return out
+
+
+def _prefix(values: Sequence[int]) -> list[int]:
+    """``out[t]``: the sum of ``values[:t]``."""
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+class MemoryModel:
+    """The memory model of NOTE [ The memory model ] on one chain, in one checkpoint mode.
+
+    It walks a plan stage by stage, carrying the bytes held for backward so far (``held``,
+    the model's outputs not included): :meth:`plain_stage` prices a stage left alone,
+    :meth:`segment_forward` and :meth:`segment` a checkpointed segment, :meth:`peak` a whole
+    plan. Prefix sums and range maxima are computed once, so that each block's numbers cost
+    O(1) for the dynamic programmes; every peak a method returns is ``held`` plus a number
+    that does not depend on ``held``. ``follows_segment`` says whether the stage before the
+    block ends a checkpointed segment (then what that stage saves of the tensors crossing
+    into the block is not held yet).
+    """
+
+    def __init__(self, chain: Chain, mode: str) -> None:
+        self.chain = chain
+        """The chain priced."""
+        self.count = len(chain.stages)
+        """Its number of stages."""
+        self.reentrant = mode == "reentrant"
+        """Whether segments run in reentrant mode (its recompute runs a backward of its own)."""
+        stages, cuts = chain.stages, chain.cuts
+        self.model_output_bytes = sum(s.output_bytes for s in stages)
+        """Bytes of the model's outputs, alive through the whole backward."""
+        # Prefix sums, by stage (or by cut for ``_cut_saved``): the total before ``t``.
+        self._saved = _prefix([s.saved_bytes for s in stages])
+        # Crossing bytes saved inside a segment, by cut (recomputed when both sides are in).
+        self._cut_saved = _prefix([cut.saved_bytes for cut in cuts])
+        self._long_lived = _prefix([s.long_lived_bytes for s in stages])
+        self._long_lived_saved = _prefix([s.long_lived_saved_bytes for s in stages])
+        self._outputs = _prefix([s.output_bytes for s in stages])
+        # NOTE [ Gradients in backward ]: inside a checkpointed segment that starts at ``a``,
+        # stage ``t`` runs its backward with the segment's recomputed storages of stages
+        # ``a..t-1`` still alive (each is freed when the op that saved it has run backward),
+        # the crossing storages saved at cuts ``a+1..t`` and what ``t`` saves at ``t+1``.
+        # Both that and the recompute of ``t`` are a count from the chain's start less
+        # ``_segment_offset[a]``, so the largest over a segment is a range maximum.
+        self._segment_offset = [self._saved[a] + self._cut_saved[a + 1]
+                                + self._long_lived_saved[a] for a in range(self.count)]
+        backward = [self._saved[t] + self._cut_saved[t + 1] + cuts[t + 1].producer_saved_bytes
+                    + self._long_lived_saved[t + 1] + stages[t].backward_peak_bytes
+                    for t in range(self.count)]
+        # Recomputing stage t: what stages a..t-1 saved, what crosses into t, t's sweep.
+        recompute = [self._saved[t] + self._cut_saved[t] + cuts[t].producer_saved_bytes
+                     + self._long_lived_saved[t] + stages[t].forward.plain_received_bytes
+                     for t in range(self.count)]
+        self._backward_max = _running_max(backward)
+        self._recompute_max = _running_max(recompute)
+        # Its last stage runs only up to where a non-reentrant recompute stops.
+        self._recompute_last = [recompute[t] - stages[t].forward.plain_received_bytes
+                                + stages[t].forward.stopped_received_bytes
+                                for t in range(self.count)]
+
+    def plain_stage(self, t: int, follows_segment: bool, held: int) -> tuple[int, int]:
+        """Stage ``t`` not checkpointed: its peak, and the held bytes after it."""
+        stage, cut, next_cut = self.chain.stages[t], self.chain.cuts[t], self.chain.cuts[t + 1]
+        # After a segment, what its last stage saves of the tensors crossing is held here.
+        kept = cut.producer_saved_bytes if follows_segment else 0
+        received = cut.saved_by_reader_bytes + kept
+        after = (held + received + stage.saved_bytes + stage.long_lived_bytes
+                 + next_cut.producer_saved_bytes)
+        forward = held + self._outputs[t] + stage.forward.plain_received_bytes + kept
+        backward = (after - stage.saved_bytes + self.model_output_bytes
+                    + stage.backward_peak_bytes)
+        return max(forward, backward), after
+
+    def segment_inputs(self, a: int, follows_segment: bool) -> int:
+        """What a segment starting at ``a`` newly holds of the tensors crossing into it."""
+        cut = self.chain.cuts[a]
+        fresh = cut.saved_by_reader_bytes + cut.saved_by_neither_bytes
+        return fresh + (cut.producer_saved_bytes if follows_segment else 0)
+
+    def segment_forward(self, a: int, t: int, held: int, inputs: int) -> int:
+        """Forward peak of stage ``t`` inside a segment that starts at ``a`` (``inputs``:
+        :meth:`segment_inputs`)."""
+        stage = self.chain.stages[t]
+        if t == a:
+            return (held + self.chain.cuts[a].crossing_bytes + self._outputs[t]
+                    + stage.forward.checkpointed_bytes)
+        carried = held + inputs + self._long_lived[t] - self._long_lived[a]
+        return carried + self._outputs[t] + stage.forward.checkpointed_received_bytes
+
+    def segment(self, a: int, b: int, held: int, inputs: int) -> tuple[int, int, int]:
+        """Stages ``a..b`` checkpointed: the peak of its recompute and backward, the held
+        bytes after it, and a lower bound of that peak that never decreases as ``b`` grows.
+
+        ``inputs`` is what ``a`` newly holds of the tensors crossing into it
+        (:meth:`segment_inputs`)."""
+        chain = self.chain
+        after = held + inputs + self._long_lived[b + 1] - self._long_lived[a]
+        held_now = after + self.model_output_bytes
+        lower = held_now + self._backward_max[a][b - a] - self._segment_offset[a]
+        recompute = self._recompute_max[a][b - a]
+        if not self.reentrant:
+            recompute = max(self._recompute_max[a][b - a - 1] if b > a else 0,
+                            self._recompute_last[b])
+        recompute_peak = (held_now + chain.stages[b].grad_entry_bytes + recompute
+                          - self._segment_offset[a])
+        if not self.reentrant:
+            return max(lower, recompute_peak), after, lower
+        # Reentrant backward re-runs the segment to its outputs and runs a backward of its
+        # own through them: the recomputed outputs, their incoming gradients (accumulated from
+        # every reader) and the gradients it hands on are alive at once, and its detached
+        # inputs get a .grad of their own before it is handed on.
+        # Three copies of what escapes the segment, one of them already among the storages
+        # the recompute saves again when something saves it.
+        extra = (3 * (self._long_lived[b + 1] - self._long_lived[a] + self._outputs[b + 1]
+                      - self._outputs[a])
+                 - (self._long_lived_saved[b + 1] - self._long_lived_saved[a])
+                 + chain.cuts[a].crossing_bytes)
+        boundary = 3 * chain.cuts[b + 1].crossing_bytes - chain.cuts[b + 1].producer_saved_bytes
+        lower += extra
+        return max(lower + boundary, recompute_peak + extra), after, lower
+
+    def segments_from(self, a: int, follows_segment: bool
+                      ) -> Iterator[tuple[int, int, int, int, int]]:
+        """Every segment starting at ``a``, shortest first, as long as its stages carry
+        gradient, priced on nothing held: ``(last stage, recompute cost, peak, held bytes
+        after it, lower bound of the peak)``; the peaks include the segment's forward and are
+        ``held +`` these for any ``held``. The lower bound never decreases along the way."""
+        stages = self.chain.stages
+        inputs = self.segment_inputs(a, follows_segment)
+        forward = total = 0
+        for b in range(a, self.count):
+            if not stages[b].carries_grad:
+                return
+            forward = max(forward, self.segment_forward(a, b, 0, inputs))
+            total += stages[b].cost
+            value, after, lower = self.segment(a, b, 0, inputs)
+            yield (b, total - (0 if self.reentrant else stages[b].tail_cost),
+                   max(value, forward), after, max(lower, forward))
+
+    def peak(self, tree: Tree) -> int:
+        """The estimated peak with ``tree`` checkpointed; a range with inner ranges is priced
+        by :meth:`nested_backward` (NOTE [ The nested memory model ])."""
+        starts = {a: (b, inner) for a, b, inner in tree}
+        peak = held = 0
+        follows_segment = False
+        t = 0
+        while t < self.count:
+            if t in starts:
+                b, inner = starts[t]
+                inputs = self.segment_inputs(t, follows_segment)
+                for u in range(t, b + 1):
+                    peak = max(peak, self.segment_forward(t, u, held, inputs))
+                value, held, _ = self.segment(t, b, held, inputs)
+                if inner:
+                    value = self.nested_backward(t, b, inner, held + self.model_output_bytes)
+                follows_segment, t = True, b + 1
+            else:
+                value, held = self.plain_stage(t, follows_segment, held)
+                follows_segment, t = False, t + 1
+            peak = max(peak, value)
+        return peak
+
+    def nested_backward(self, a: int, b: int, inner: Tree, outside: int) -> int:
+        """Peak of the recompute and backward of segment ``a..b`` with ``inner`` checkpointed
+        again, on top of ``outside`` bytes (everything held when its backward starts)."""
+        stages, cuts = self.chain.stages, self.chain.cuts
+        grad = stages[b].grad_entry_bytes
+        starts = {x: (y, tree) for x, y, tree in inner}
+        peak = 0
+        saved = 0  # what the recompute has saved so far
+        # The segment's inputs are held as checkpoint inputs, not saved again.
+        follows_segment = True
+        # (first, last, inner, saved before it, inputs; -1 for a plain stage)
+        steps: list[tuple[int, int, Tree, int, int]] = []
+        t = a
+        while t <= b:
+            stage, cut = stages[t], cuts[t]
+            if t in starts:
+                d, tree = starts[t]
+                inputs = 0 if t == a else self.segment_inputs(t, follows_segment)
+                for u in range(t, d + 1):
+                    # As in ``segment_forward``: at its first stage the inputs are what
+                    # crosses into it, counted once.
+                    if u == t:
+                        carried = cuts[u].crossing_bytes + stages[u].forward.checkpointed_bytes
+                    else:
+                        carried = (inputs + self._long_lived[u] - self._long_lived[t]
+                                   + stages[u].forward.checkpointed_received_bytes)
+                    peak = max(peak, outside + grad + saved + carried)
+                steps.append((t, d, tree, saved, inputs))
+                saved += inputs + self._long_lived_saved[d + 1] - self._long_lived_saved[t]
+                follows_segment, t = True, d + 1
+            else:
+                kept = cut.producer_saved_bytes if follows_segment else 0
+                received = 0 if t == a else cut.saved_by_reader_bytes + kept
+                if t == a:  # what crosses into it is held as the segment's inputs
+                    working = stage.forward.plain_bytes
+                else:
+                    working = kept + (stage.forward.stopped_received_bytes if t == b
+                                      else stage.forward.plain_received_bytes)
+                peak = max(peak, outside + grad + saved + working)
+                steps.append((t, t, (), saved, -1))
+                saved += (received + stage.saved_bytes + stage.long_lived_saved_bytes
+                          + cuts[t + 1].producer_saved_bytes)
+                follows_segment, t = False, t + 1
+        # Backward, last stage first: only what the steps before the current one saved is alive.
+        ends = [s[3] for s in steps[1:]] + [saved]
+        for (x, y, tree, saved_before, inputs), saved_after in zip(steps, ends):
+            if inputs < 0:  # a plain stage
+                value = (outside + saved_after - stages[x].saved_bytes
+                         + stages[x].backward_peak_bytes)
+            else:
+                held = outside - self.model_output_bytes + saved_before
+                value, after, _ = self.segment(x, y, held, inputs)
+                if tree:
+                    value = max(value, self.nested_backward(x, y, tree,
+                                                            after + self.model_output_bytes))
+            peak = max(peak, value)
+        return peak
+
+
+def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:
+    """Estimated peak activation bytes of one forward and backward with ``ranges``
+    checkpointed. See NOTE [ The memory model ].
+
+    Example:
+        >>> from autockpt.chain import Chain, Cut, ForwardPeaks, Stage
+        >>> stage = Stage(start=0, end=1, cost=1, flops=1, carries_grad=True, saved_bytes=64,
+        ...               long_lived_bytes=0, long_lived_saved_bytes=0, output_bytes=8,
+        ...               grad_entry_bytes=0, backward_peak_bytes=88,
+        ...               forward=ForwardPeaks(72, 8, 72, 8, 72))
+        >>> chain = Chain(stages=(stage,), cuts=(Cut(0, 0, 0, 0), Cut(0, 0, 0, 0)))
+        >>> estimate_peak(chain, ())   # 64 held + 8 output + 8 gradient + 16 working set
+        96
+    """
+    return MemoryModel(chain, mode).peak(as_tree(ranges))
+
+
+def estimate_tree_peak(chain: Chain, tree: Tree) -> int:
+    """Estimated peak activation bytes of one forward and backward with the nested plan
+    ``tree`` (non-reentrant mode); equal to :func:`estimate_peak` for a single-level plan.
+    See NOTE [ The nested memory model ]."""
+    return MemoryModel(chain, "non_reentrant").peak(tree)
+
+
+def segment_cost(chain: Chain, a: int, b: int, mode: str = "non_reentrant") -> int:
+    """Cost of recomputing stages ``a..b`` as one segment (see NOTE [ A non-reentrant
+    recompute stops early ] in :mod:`autockpt.chain`)."""
+    total = sum(chain.stages[t].cost for t in range(a, b + 1))
+    return total - (chain.stages[b].tail_cost if mode == "non_reentrant" else 0)
+
+
+def recompute_cost(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:
+    """Total cost of what ``ranges`` recompute."""
+    return sum(segment_cost(chain, a, b, mode) for a, b in ranges)
+
+
+def tree_cost(chain: Chain, tree: Tree) -> int:
+    """Recompute cost: every range's stages run once more per range they are in (less what
+    each non-reentrant recompute skips at its end)."""
+    return sum(segment_cost(chain, a, b) for a, b, _ in flatten_tree(tree))
