@@ -20,9 +20,8 @@ from typing import Any
 
 import contextlib
 import functools
-import weakref
 from dataclasses import replace
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -32,7 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import InvalidArgumentError
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter,
-                                 storage_key, tensors)
+                                 run_with_state, storage_key, tensors)
 from autockpt.loss import LossFn, call_loss, inner_loss
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
 from autockpt.trace import TracedModel
@@ -64,7 +63,7 @@ class _WorkingSet(OpObserver):
         self.freed_bytes = 0
         self._live.clear()
 
-    def note_freed(self, size: int, _ref: object) -> None:
+    def note_freed(self, size: int) -> None:
         """An older storage (saved by the node whose backward runs) was freed."""
         self.freed_bytes += size
 
@@ -208,8 +207,7 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
     runner.loss_fn = loss_fn
     runner.unflatten = traced.unflatten
     with fake_mode:
-        torch.func.functional_call(runner, {f"gm.{k}": v for k, v in fake_state.items()},
-                                   tuple(values_in), strict=False)
+        run_with_state(gm, fake_state, runner.profile_graph, tuple(values_in))
     description = describe_inputs((), {n: inputs[n] for n in traced.spec.param_names})
     return runner.result(description)
 
@@ -248,8 +246,9 @@ def _real_tensors_allowed(output: Any) -> Iterator[None]:
 # loss does at least (NOTE [ The default loss ]).
 
 
-class _ProfileRunner(torch.nn.Module):
-    """Runs the graph node by node (a module, so ``functional_call`` can swap in fake state)."""
+class _ProfileRunner(fx.Interpreter):
+    """Runs the graph node by node on fake tensors and writes what each node did into its
+    ``node.meta["autockpt"]``, as ``torch.fx.passes.shape_prop.ShapeProp`` writes shapes."""
 
     def __init__(
         self,
@@ -258,8 +257,9 @@ class _ProfileRunner(torch.nn.Module):
         input_keys: set[int],
         buffer_names: dict[int, str],
     ) -> None:
-        super().__init__()
-        self.gm = gm
+        # Every value stays in the environment: the loss node and the probes read them.
+        super().__init__(gm, garbage_collect_values=False)
+        self.extra_traceback = False
         self._param_keys = param_keys
         self._input_keys = input_keys
         self._buffer_names = buffer_names
@@ -272,167 +272,176 @@ class _ProfileRunner(torch.nn.Module):
         self.loss_fn: LossFn | None = None
         self.unflatten: Any = None
         self.loss: LossStat | None = None
-
-    def forward(self, *values_in: Any) -> None:
-        gm = self.gm
-        nodes = list(gm.graph.nodes)
-        position = {node: i for i, node in enumerate(nodes)}
-        interpreter = fx.Interpreter(gm)
+        self._position = {node: i for i, node in enumerate(gm.graph.nodes)}
         # storage key -> index into self._storages; inputs and parameters are not activations.
-        storage_index: dict[int, int] = {}
-        value_storages: dict[fx.Node, list[int]] = {}
+        self._storage_index: dict[int, int] = {}
+        self._value_storages: dict[fx.Node, list[int]] = {}
+        self._saved_now: list[torch.Tensor] = []
+        self._counter = flop_counter()
+        self._watcher = _WorkingSet(old_keys=set(param_keys) | set(input_keys))
+
+    def profile_graph(self, *values_in: Any) -> None:
+        """One run of the graph on the forward's (fake) parameters, every node measured."""
+        with self._counter, OpWatch(self._watcher), torch.autograd.graph.saved_tensors_hooks(
+                self._pack, lambda t: t):
+            self.run(*values_in, enable_io_processing=False)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._saved_now.append(tensor)
+        return tensor
+
+    def _own(self, key: int, tensor: torch.Tensor, producer: int) -> int | None:
+        if key in self._param_keys or key in self._input_keys:
+            return None
         storages = self._storages
-        saved_now: list[torch.Tensor] = []
-        args_iter = iter(values_in)
+        if key not in self._storage_index:
+            self._storage_index[key] = len(storages)
+            storages.append(
+                {
+                    "size_bytes": tensor.untyped_storage().nbytes(),
+                    "producer": producer,
+                    "users": set(),
+                    "saved_by": set(),
+                    "requires_grad": tensor.requires_grad,
+                    "is_output": False,
+                }
+            )
+        return self._storage_index[key]
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved_now.append(tensor)
-            return tensor
+    def evaluate(self, node: fx.Node) -> Any:
+        """The node's value as the plain interpreter computes it (the probes run it again)."""
+        return super().run_node(node)
 
-        def own(key: int, tensor: torch.Tensor, producer: int) -> int | None:
-            if key in self._param_keys or key in self._input_keys:
-                return None
-            if key not in storage_index:
-                storage_index[key] = len(storages)
-                storages.append(
-                    {
-                        "size_bytes": tensor.untyped_storage().nbytes(),
-                        "producer": producer,
-                        "users": set(),
-                        "saved_by": set(),
-                        "requires_grad": tensor.requires_grad,
-                        "is_output": False,
-                    }
-                )
-            return storage_index[key]
-
-        counter = flop_counter()
-        watcher = _WorkingSet(old_keys=set(self._param_keys) | set(self._input_keys))
-        with counter, OpWatch(watcher), torch.autograd.graph.saved_tensors_hooks(
-                pack, lambda t: t):
-            for index, node in enumerate(nodes):
+    def run_node(self, node: fx.Node) -> Any:
+        gm = self.module
+        position = self._position
+        index = position[node]
+        storage_index = self._storage_index
+        value_storages = self._value_storages
+        storages = self._storages
+        saved_now = self._saved_now
+        counter = self._counter
+        watcher = self._watcher
+        own = self._own
+        if node.op == "output":
+            index = self._loss_node(node, index, position, counter, watcher, saved_now, own,
+                                    storage_index, value_storages)
+        flops_before = counter.get_total_flops()
+        watcher.reset()
+        saved_now.clear()
+        input_nodes = node.all_input_nodes if node.op != "output" else []
+        ordered_inputs = sorted(input_nodes, key=position.__getitem__)
+        if node.op == "output":
+            value = None
+        elif node.op == "call_module":
+            value = self._run_module(node, saved_now)
+        else:
+            value = self.evaluate(node)
+        self.env[node] = value
+        written = watcher.written
+        mutated_buffers = {self._buffer_names[k] for k in written if k in self._buffer_names}
+        if mutated_buffers and node.op == "call_module":
+            # Snapshot the module's buffers together: they are updated as a set.
+            module = gm.get_submodule(str(node.target))
+            mutated_buffers |= {f"{node.target}.{n}" for n, _ in module.named_buffers()}
+        mutated_inputs = sorted(
+            {
+                storages[storage_index[k]]["producer"]
+                for k in written
+                if k in storage_index and storages[storage_index[k]]["producer"] != index
+            }
+        )
+        work_bytes = watcher.peak_bytes
+        flops = int(counter.get_total_flops() - flops_before)
+        watcher.old_keys.update(storage_key(t) for t in tensors(value))
+        watcher.old_keys.update(storage_key(t) for t in saved_now)
+        random = watcher.random  # before the probe resets the watcher
+        probe_key = _probe_key(self, node, storage_index)
+        if probe_key is not None and probe_key in self._probes:
+            backward, accumulate = self._probes[probe_key]
+        else:
+            with _modules_untracked(counter):
+                probed = _probe_backward(self, node, ordered_inputs, storage_index, watcher,
+                                         saved_now)
+                with_params = _probe_backward(self, node, ordered_inputs, storage_index,
+                                              watcher, saved_now, with_params=True)
+            backward = accumulate = None
+            if probed is not None:
+                backward, accumulate = (probed[0], probed[1]), probed[0]
+                if with_params is not None:
+                    # See NOTE [ Temporaries of parameter gradients ].
+                    backward = (max(probed[0], with_params[0]), probed[1])
+                    accumulate = max(probed[0], with_params[2])
+            if probe_key is not None:
+                self._probes[probe_key] = (backward, accumulate)
+        out_storages: list[int] = []
+        output_bytes = 0
+        if node.op not in ("output", "get_attr"):
+            for t in tensors(value):
+                key = storage_key(t)
+                is_new = key not in storage_index
+                slot = own(key, t, index)
+                if slot is not None:
+                    if slot not in out_storages:
+                        out_storages.append(slot)
+                    if is_new:
+                        output_bytes += storages[slot]["size_bytes"]
+        value_storages[node] = out_storages
+        for t in saved_now:
+            slot = own(storage_key(t), t, index)
+            if slot is not None:
+                storages[slot]["saved_by"].add(index)
+        for i in input_nodes:
+            for slot in value_storages.get(i, ()):
+                storages[slot]["users"].add(index)
                 if node.op == "output":
-                    index = self._loss_node(node, index, interpreter, position, counter,
-                                            watcher, saved_now, own, storage_index,
-                                            value_storages)
-                flops_before = counter.get_total_flops()
-                watcher.reset()
-                saved_now.clear()
-                input_nodes = node.all_input_nodes if node.op != "output" else []
-                ordered_inputs = sorted(input_nodes, key=position.__getitem__)
-                if node.op == "placeholder":
-                    value = next(args_iter)
-                elif node.op == "output":
-                    value = None
-                elif node.op == "call_module":
-                    value = self._run_module(interpreter, node, saved_now)
-                else:
-                    value = interpreter.run_node(node)
-                interpreter.env[node] = value
-                written = watcher.written
-                mutated_buffers = {self._buffer_names[k] for k in written if k in self._buffer_names}
-                if mutated_buffers and node.op == "call_module":
-                    # Snapshot the module's buffers together: they are updated as a set.
-                    module = gm.get_submodule(str(node.target))
-                    mutated_buffers |= {f"{node.target}.{n}" for n, _ in module.named_buffers()}
-                mutated_inputs = sorted(
-                    {
-                        storages[storage_index[k]]["producer"]
-                        for k in written
-                        if k in storage_index and storages[storage_index[k]]["producer"] != index
-                    }
-                )
-                work_bytes = watcher.peak_bytes
-                flops = int(counter.get_total_flops() - flops_before)
-                watcher.old_keys.update(storage_key(t) for t in tensors(value))
-                watcher.old_keys.update(storage_key(t) for t in saved_now)
-                random = watcher.random  # before the probe resets the watcher
-                probe_key = _probe_key(interpreter, node, storage_index)
-                if probe_key is not None and probe_key in self._probes:
-                    backward, accumulate = self._probes[probe_key]
-                else:
-                    with _modules_untracked(counter):
-                        probed = _probe_backward(interpreter, node, ordered_inputs,
-                                                 storage_index, watcher, saved_now)
-                        with_params = _probe_backward(interpreter, node, ordered_inputs,
-                                                      storage_index, watcher, saved_now,
-                                                      with_params=True)
-                    backward = accumulate = None
-                    if probed is not None:
-                        backward, accumulate = (probed[0], probed[1]), probed[0]
-                        if with_params is not None:
-                            # See NOTE [ Temporaries of parameter gradients ].
-                            backward = (max(probed[0], with_params[0]), probed[1])
-                            accumulate = max(probed[0], with_params[2])
-                    if probe_key is not None:
-                        self._probes[probe_key] = (backward, accumulate)
-                out_storages: list[int] = []
-                output_bytes = 0
-                if node.op not in ("output", "get_attr"):
-                    for t in tensors(value):
-                        key = storage_key(t)
-                        is_new = key not in storage_index
-                        slot = own(key, t, index)
-                        if slot is not None:
-                            if slot not in out_storages:
-                                out_storages.append(slot)
-                            if is_new:
-                                output_bytes += storages[slot]["size_bytes"]
-                value_storages[node] = out_storages
-                for t in saved_now:
-                    slot = own(storage_key(t), t, index)
-                    if slot is not None:
-                        storages[slot]["saved_by"].add(index)
-                for i in input_nodes:
-                    for slot in value_storages.get(i, ()):
-                        storages[slot]["users"].add(index)
-                        if node.op == "output":
-                            storages[slot]["is_output"] = True
-                trainable = False
-                read_params = [interpreter.env.get(i) for i in input_nodes if i.op == "get_attr"]
-                if node.op == "call_module":
-                    module = gm.get_submodule(str(node.target))
-                    trainable = any(p.requires_grad for p in module.parameters())
-                    read_params += list(module.parameters())
-                self._param_reads.append({
-                    storage_key(t): t.untyped_storage().nbytes() for t in read_params
-                    if isinstance(t, torch.Tensor) and t.requires_grad
-                })
-                trainable = trainable or any(
-                    i.op == "get_attr"
-                    and isinstance(interpreter.env.get(i), torch.Tensor)
-                    and interpreter.env[i].requires_grad
-                    for i in input_nodes
-                )
-                stat = NodeStat(
-                    index=index,
-                    name=node.name,
-                    op=node.op,
-                    target=_target_name(node),
-                    module_path=_module_path(node),
-                    inputs=(tuple(sorted(position[i] for i in input_nodes))
-                            if node.op != "output" else (index - 1,)),
-                    users=tuple(sorted(position[u] for u in node.users)),
-                    output_kind=_output_kind(node, value),
-                    requires_grad=any(t.requires_grad for t in tensors(value)),
-                    flops=flops,
-                    output_bytes=output_bytes,
-                    work_bytes=max(work_bytes, output_bytes),
-                    random=random,
-                    trainable=trainable,
-                    mutated_inputs=tuple(mutated_inputs),
-                    mutated_buffers=tuple(sorted(mutated_buffers)),
-                    backward_bytes=backward[0] if backward else 0,
-                    input_grad_bytes=backward[1] if backward else (),
-                    grad_bytes=_grad_size(value),
-                    accumulate_backward_bytes=(accumulate if backward and accumulate != backward[0]
-                                               else None),
-                )
-                node.meta["autockpt"] = stat
-                self._stats.append(stat)
+                    storages[slot]["is_output"] = True
+        trainable = False
+        read_params = [self.env.get(i) for i in input_nodes if i.op == "get_attr"]
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            trainable = any(p.requires_grad for p in module.parameters())
+            read_params += list(module.parameters())
+        self._param_reads.append({
+            storage_key(t): t.untyped_storage().nbytes() for t in read_params
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        })
+        trainable = trainable or any(
+            i.op == "get_attr"
+            and isinstance(self.env.get(i), torch.Tensor)
+            and self.env[i].requires_grad
+            for i in input_nodes
+        )
+        stat = NodeStat(
+            index=index,
+            name=node.name,
+            op=node.op,
+            target=_target_name(node),
+            module_path=_module_path(node),
+            inputs=(tuple(sorted(position[i] for i in input_nodes))
+                    if node.op != "output" else (index - 1,)),
+            users=tuple(sorted(position[u] for u in node.users)),
+            output_kind=_output_kind(node, value),
+            requires_grad=any(t.requires_grad for t in tensors(value)),
+            flops=flops,
+            output_bytes=output_bytes,
+            work_bytes=max(work_bytes, output_bytes),
+            random=random,
+            trainable=trainable,
+            mutated_inputs=tuple(mutated_inputs),
+            mutated_buffers=tuple(sorted(mutated_buffers)),
+            backward_bytes=backward[0] if backward else 0,
+            input_grad_bytes=backward[1] if backward else (),
+            grad_bytes=_grad_size(value),
+            accumulate_backward_bytes=(accumulate if backward and accumulate != backward[0]
+                                       else None),
+        )
+        node.meta["autockpt"] = stat
+        self._stats.append(stat)
+        return value
 
-    def _loss_node(self, node: fx.Node, index: int, interpreter: fx.Interpreter,
-                   position: dict[fx.Node, int], counter: FlopCounterMode, watcher: _WorkingSet,
+    def _loss_node(self, node: fx.Node, index: int, position: dict[fx.Node, int],
+                   counter: FlopCounterMode, watcher: _WorkingSet,
                    saved_now: list[torch.Tensor], own: Any, storage_index: dict[int, int],
                    value_storages: dict[fx.Node, list[int]]) -> int:
         """Add the loss node at ``index`` (NOTE [ The loss node ]); return the output node's
@@ -440,22 +449,22 @@ class _ProfileRunner(torch.nn.Module):
         producers = sorted(node.all_input_nodes, key=position.__getitem__)
 
         def structure() -> Any:
-            flat = interpreter.fetch_args_kwargs_from_env(node)[0][0]
+            flat = self.fetch_args_kwargs_from_env(node)[0][0]
             return self.unflatten(flat) if self.unflatten is not None else flat
 
         output = structure()
         own_loss = inner_loss(output) if self.loss_fn is None else None
         with _real_tensors_allowed(output):
-            return self._loss_stat(node, index, interpreter, position, counter, watcher,
-                                   saved_now, own, storage_index, value_storages, producers,
-                                   structure, output, own_loss)
+            return self._loss_stat(node, index, position, counter, watcher, saved_now, own,
+                                   storage_index, value_storages, producers, structure, output,
+                                   own_loss)
 
-    def _loss_stat(self, node: fx.Node, index: int, interpreter: fx.Interpreter,
-                   position: dict[fx.Node, int], counter: FlopCounterMode, watcher: _WorkingSet,
+    def _loss_stat(self, node: fx.Node, index: int, position: dict[fx.Node, int],
+                   counter: FlopCounterMode, watcher: _WorkingSet,
                    saved_now: list[torch.Tensor], own: Any, storage_index: dict[int, int],
                    value_storages: dict[fx.Node, list[int]], producers: list[fx.Node],
                    structure: Any, output: Any, own_loss: torch.Tensor | None) -> int:
-        env = interpreter.env
+        env = self.env
         storages = self._storages
 
         def slots_of(nodes: list[fx.Node]) -> list[int]:
@@ -493,7 +502,7 @@ class _ProfileRunner(torch.nn.Module):
             watcher.old_keys.update(storage_key(t) for t in [value, *saved_now])
             saved = list(saved_now)
             with _modules_untracked(counter):
-                backward = _probe_backward(interpreter, node, inputs, storage_index, watcher,
+                backward = _probe_backward(self, node, inputs, storage_index, watcher,
                                            saved_now, run=lambda: fn(structure()))
             key = storage_key(value)
             is_new = key not in storage_index
@@ -533,17 +542,16 @@ class _ProfileRunner(torch.nn.Module):
                              grad_bytes=sum(handed), work_bytes=stat.work_bytes)
         return index + 1
 
-    def _run_module(self, interpreter: fx.Interpreter, node: fx.Node,
-                    saved_now: list[torch.Tensor]) -> Any:
+    def _run_module(self, node: fx.Node, saved_now: list[torch.Tensor]) -> Any:
         """Run a leaf module on fake tensors or, if its forward needs tensor values (the
         reason the fx-leaves rung kept it whole), on real stand-ins; see NOTE [ Leaves that
         need real values ]."""
         try:
-            return interpreter.run_node(node)
+            return self.evaluate(node)
         except _DATA_DEPENDENT as err:
             failure = err
-        args, kwargs = interpreter.fetch_args_kwargs_from_env(node)
-        return _run_real(self.gm, str(node.target), self.real_state, args, kwargs, saved_now,
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        return _run_real(self.module, str(node.target), self.real_state, args, kwargs, saved_now,
                          failure)
 
     def result(self, description: str) -> Profile:
@@ -734,7 +742,7 @@ def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[i
 # are taken off that probe's peak; the node's backward peak is the larger of the two probes.
 
 
-def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.Node],
+def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.Node],
                     storage_index: dict[int, int], watcher: _WorkingSet,
                     saved_now: list[torch.Tensor], *, with_params: bool = False,
                     run: Any = None) -> tuple[int, tuple[int, ...], int] | None:
@@ -788,7 +796,7 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
     mark = len(saved_now)
     try:
         env.update(substituted)
-        out = interpreter.run_node(node) if run is None else run()
+        out = interpreter.evaluate(node) if run is None else run()
     except Exception:  # noqa: BLE001 - cannot run twice on fake tensors: use the fallback
         return None
     finally:
@@ -809,8 +817,7 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
             own.setdefault(key, t.untyped_storage())
     watcher.reset()
     watcher.old_keys |= temp_old
-    refs = [weakref.ref(st, functools.partial(watcher.note_freed, st.nbytes()))
-            for st in own.values()]
+    freed = _ledger_of(own.values(), watcher.note_freed)
     del saved, own, out
     param_edges = [torch.autograd.graph.get_gradient_edge(t) for t in params]
     try:
@@ -819,7 +826,7 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
         return None
     finally:
         watcher.old_keys -= temp_old
-        del refs
+        freed.clear()
     per_input = [0] * len(inputs)
     seen = {storage_key(g) for g in seeds}
     for (k, _), grad in zip(leaves, grads):
@@ -837,6 +844,16 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
             seen.add(storage_key(grad))
             param_bytes += grad.untyped_storage().nbytes()
     return max(watcher.peak_bytes - param_bytes, 0), tuple(per_input), watcher.peak_bytes
+
+
+def _ledger_of(storages: Iterable[torch.UntypedStorage], on_free: Callable[[int], None]
+               ) -> LiveStorages[int]:
+    """A ledger that tells ``on_free`` the bytes of each of ``storages`` when it is freed
+    (a function, so that no local of the caller keeps one of them alive)."""
+    ledger: LiveStorages[int] = LiveStorages(on_free)
+    for storage in storages:
+        ledger.add(storage, storage.nbytes())
+    return ledger
 
 
 def _same_layout(grad: torch.Tensor, param: torch.Tensor) -> bool:
