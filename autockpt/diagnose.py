@@ -86,8 +86,8 @@ from autockpt import runtime
 from autockpt.api import split_inputs
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.findings import Finding, Report
-from autockpt.instrument import (Op, OpObserver, OpWatch, leaves, storage_key_or_none,
-                                 tensors)
+from autockpt.instrument import (Op, OpObserver, OpWatch, leaves, map_tensors,
+                                 storage_key_or_none, tensors)
 from autockpt.lint import source_with_flag
 from autockpt.loss import (
     NAMED_LOSSES,
@@ -218,8 +218,8 @@ def diagnose(
             ) from err
         for param in twin.parameters():
             param.grad = None  # a gradient copied from the user's model would hide AC003
-        twin_args = _map_tensors(args, _copy_input)
-        twin_kwargs = {k: _map_tensors(v, _copy_input) for k, v in kwargs.items()}
+        twin_args = map_tensors(args, _copy_input)
+        twin_kwargs = {k: map_tensors(v, _copy_input) for k, v in kwargs.items()}
         session = _Session(twin, wrapper)
         session.label_inputs(twin_args, twin_kwargs)
         return session.run(twin_args, twin_kwargs, loss)
@@ -274,18 +274,6 @@ def _ddp_class() -> type | None:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map_tensors(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
-    return value
 
 
 def _copy_input(tensor: torch.Tensor) -> torch.Tensor:

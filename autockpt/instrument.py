@@ -6,7 +6,8 @@ Every analysis of autockpt that watches code run uses this module and nothing el
 memory of a real step), :mod:`autockpt.diagnose` (parameters read, random ops and writes inside
 a checkpoint) and :mod:`autockpt.timing` (the nodes run one by one).
 
-- :func:`tensors` and :func:`leaves` flatten a nested value, one way for all of them.
+- :func:`tensors` and :func:`leaves` flatten a nested value, one way for all of them;
+  :func:`map_tensors` rebuilds one with its tensors replaced.
 - :func:`storage_key` names a storage for as long as the process lives.
 - :class:`OpWatch` is the one ``TorchDispatchMode``: it numbers the ops and hands each, before
   and after it runs, to an :class:`OpObserver`; an :class:`Op` says what the op is (random,
@@ -54,6 +55,7 @@ __all__ = [
     "OpWatch",
     "flop_counter",
     "leaves",
+    "map_tensors",
     "run_with_state",
     "storage_key",
     "storage_key_or_none",
@@ -107,6 +109,37 @@ def tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     return [v for v in leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to the tensors in its nested tuples (named ones too),
+    lists and dicts; a dict of another class (``OrderedDict``, ``ModelOutput``) is copied and
+    updated, so it keeps its class.
+
+    Example:
+        >>> map_tensors({"x": (torch.ones(1), 2)}, lambda t: t * 3)
+        {'x': (tensor([3.]), 2)}
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        items = [map_tensors(item, fn) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [map_tensors(item, fn) for item in value]
+    if isinstance(value, dict):
+        mapped = {key: map_tensors(item, fn) for key, item in value.items()}
+        return mapped if type(value) is dict else _rebuild_dict(value, mapped)
+    return value
+
+
+def _rebuild_dict(original: dict[Any, Any], mapped: dict[Any, Any]) -> dict[Any, Any]:
+    try:
+        rebuilt = original.copy()
+        rebuilt.update(mapped)
+        return rebuilt
+    except Exception:  # noqa: BLE001 - a dict class that cannot be copied: a plain dict
+        return mapped
 
 
 # --------------------------------------------------------------------------- storages

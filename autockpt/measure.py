@@ -58,7 +58,7 @@ import copy
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
@@ -67,7 +67,8 @@ import torch
 
 from autockpt.budget import storage_bytes
 from autockpt.errors import AutockptError, InvalidArgumentError
-from autockpt.instrument import LiveStorages, Op, OpObserver, OpWatch, storage_of, tensors
+from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, map_tensors,
+                                 storage_of, tensors)
 from autockpt.loss import LossFn, call_loss, check_loss_fn, inner_loss, output_tensors
 from autockpt.units import format_bytes, format_seconds
 
@@ -625,8 +626,8 @@ def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     """A training step of ``model`` on these (already checked) inputs, set up the way
     :func:`measure` measures it: non-leaf inputs detached, the leaves whose ``.grad`` backward
     writes collected, the device found."""
-    args = _map_tensors(args, _detach_non_leaf)
-    kwargs = _map_tensors(kwargs, _detach_non_leaf)
+    args = map_tensors(args, _detach_non_leaf)
+    kwargs = map_tensors(kwargs, _detach_non_leaf)
     parameters = list(model.parameters())
     buffers = list(model.buffers())
     input_tensors = list(output_tensors((args, kwargs)))
@@ -941,27 +942,3 @@ def _detach_non_leaf(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.requires_grad and not tensor.is_leaf:
         return tensor.detach().requires_grad_(True)
     return tensor
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to the tensors in nested tuples (named ones too), lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        items = [_map_tensors(item, fn) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_map_tensors(item, fn) for item in obj]
-    if isinstance(obj, dict):
-        mapped = {key: _map_tensors(value, fn) for key, value in obj.items()}
-        return mapped if type(obj) is dict else _rebuild_dict(obj, mapped)
-    return obj
-
-
-def _rebuild_dict(original: dict[Any, Any], mapped: dict[Any, Any]) -> dict[Any, Any]:
-    try:
-        rebuilt = original.copy()
-        rebuilt.update(mapped)
-        return rebuilt
-    except Exception:
-        return mapped
