@@ -73,7 +73,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -81,12 +81,13 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autockpt import runtime
 from autockpt.api import split_inputs
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.findings import Finding, Report
+from autockpt.instrument import (Op, OpObserver, OpWatch, leaves, map_tensors,
+                                 storage_key_or_none, tensors)
 from autockpt.lint import source_with_flag
 from autockpt.loss import (
     NAMED_LOSSES,
@@ -217,8 +218,8 @@ def diagnose(
             ) from err
         for param in twin.parameters():
             param.grad = None  # a gradient copied from the user's model would hide AC003
-        twin_args = _map_tensors(args, _copy_input)
-        twin_kwargs = {k: _map_tensors(v, _copy_input) for k, v in kwargs.items()}
+        twin_args = map_tensors(args, _copy_input)
+        twin_kwargs = {k: map_tensors(v, _copy_input) for k, v in kwargs.items()}
         session = _Session(twin, wrapper)
         session.label_inputs(twin_args, twin_kwargs)
         return session.run(twin_args, twin_kwargs, loss)
@@ -275,18 +276,6 @@ def _ddp_class() -> type | None:
     return DistributedDataParallel
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map_tensors(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
-    return value
-
-
 def _copy_input(tensor: torch.Tensor) -> torch.Tensor:
     """A copy that backward can write gradients into without touching the user's tensor; a
     leaf stays a leaf and a non-leaf stays a non-leaf (AC002 tells them apart)."""
@@ -297,26 +286,6 @@ def _copy_input(tensor: torch.Tensor) -> torch.Tensor:
         return copied
     copied.requires_grad_(True)
     return copied if tensor.is_leaf else copied.view_as(copied)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor in a nested value: tuples, lists, mappings and dataclasses, in order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if is_dataclass(value) and not isinstance(value, type):
-        return [t for f in fields(value) for t in _tensors(getattr(value, f.name))]
-    return []
-
-
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    try:
-        return int(tensor.untyped_storage()._cdata)
-    except Exception:  # sparse, nested or subclass tensors have no plain storage
-        return None
 
 
 # --------------------------------------------------------------------------- patching
@@ -447,13 +416,12 @@ def _install(namespaces: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any],
 # --------------------------------------------------------------------------- the watcher
 
 
-class _Watch(TorchDispatchMode):
-    """Notes, for the ops that run while it is active, the trainable parameters read, random
-    ops, and writes into given storages (inputs, buffers)."""
+class _Watch(OpObserver):
+    """Notes, for the ops an :class:`~autockpt.instrument.OpWatch` sees, the trainable
+    parameters read, random ops, and writes into given storages (inputs, buffers)."""
 
     def __init__(self, params: Mapping[int, str], inputs: Mapping[int, int],
                  buffers: Mapping[int, str]) -> None:
-        super().__init__()
         self._params = params
         self._inputs = inputs
         self._buffers = buffers
@@ -462,26 +430,19 @@ class _Watch(TorchDispatchMode):
         self.input_writes: dict[tuple[int, str], None] = {}
         self.buffer_writes: dict[str, None] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            self.random_ops[func.overloadpacket.__name__] = None
-        for i, arg in enumerate(func._schema.arguments):
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            writes = arg.alias_info is not None and arg.alias_info.is_write
-            for tensor in _tensors(value):
-                key = _storage_key(tensor)
-                if key is None:
-                    continue
-                name = self._params.get(key)
-                if name is not None:
-                    self.params_used[name] = None
-                if writes:
-                    if key in self._inputs:
-                        self.input_writes[(self._inputs[key], func.overloadpacket.__name__)] = None
-                    if key in self._buffers:
-                        self.buffer_writes[self._buffers[key]] = None
-        return func(*args, **kwargs)
+    def before_op(self, op: Op) -> None:
+        if op.random:
+            self.random_ops[op.name] = None
+        for tensor in op.inputs():
+            name = self._params.get(storage_key_or_none(tensor))  # type: ignore[arg-type]
+            if name is not None:
+                self.params_used[name] = None
+        for tensor in op.written():
+            key = storage_key_or_none(tensor)
+            if key in self._inputs:
+                self.input_writes[(self._inputs[key], op.name)] = None
+            if key in self._buffers:
+                self.buffer_writes[self._buffers[key]] = None
 
 
 # --------------------------------------------------------------------------- records
@@ -613,7 +574,7 @@ class _Session:
         self.param_order: dict[str, int] = {}
         for i, (name, param) in enumerate(root.named_parameters()):
             self.param_order[name] = i
-            key = _storage_key(param)
+            key = storage_key_or_none(param)
             if param.requires_grad and key is not None:
                 self.param_names.setdefault(key, name)
         self.buffer_slots: list[tuple[nn.Module, str, str]] = []
@@ -647,9 +608,9 @@ class _Session:
         except AutockptError:
             bound = {f"example_inputs[{i}]": a for i, a in enumerate(args)} | kwargs
         for name, value in bound.items():
-            tensors = _tensors(value)
-            for i, tensor in enumerate(tensors):
-                suffix = "" if len(tensors) == 1 else f"[{i}]"
+            found = tensors(value)
+            for i, tensor in enumerate(found):
+                suffix = "" if len(found) == 1 else f"[{i}]"
                 self.input_labels.setdefault(id(tensor), f"{name}{suffix}")
 
     def on_checkpoint(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -663,7 +624,7 @@ class _Session:
         input_keys: dict[int, int] = {}
         for position, value in enumerate(args):
             if isinstance(value, torch.Tensor):
-                key = _storage_key(value)
+                key = storage_key_or_none(value)
                 if key is not None:
                     input_keys.setdefault(key, position)
         try:
@@ -672,7 +633,8 @@ class _Session:
             if self.failed_call is None:
                 self.failed_call = call
             raise
-        call.output_keys = tuple(k for t in _tensors(output) if (k := _storage_key(t)) is not None)
+        call.output_keys = tuple(k for t in tensors(output)
+                                 if (k := storage_key_or_none(t)) is not None)
         return output
 
     def on_sequential(self, functions: Any, segments: Any, input: Any, args: tuple[Any, ...],
@@ -725,15 +687,15 @@ class _Session:
                     requires_grad=value.requires_grad,
                     is_leaf=value.is_leaf,
                     is_param=isinstance(value, nn.Parameter)
-                    or _storage_key(value) in self.param_names,
+                    or storage_key_or_none(value) in self.param_names,
                     nbytes=value.numel() * value.element_size(),
                     numel=value.numel(),
                 ))
-            elif any(t.requires_grad for t in _tensors(value)):
+            elif any(t.requires_grad for t in tensors(value)):
                 containers.append(position)
         keyword_tensors = tuple(
             name for name, value in kwargs.items()
-            if name not in _CHECKPOINT_FLAGS and _tensors(value)
+            if name not in _CHECKPOINT_FLAGS and tensors(value)
         )
         if modules:
             training = any(m.training for m in modules)
@@ -787,7 +749,7 @@ class _Session:
             self.active.append((call, phase))
             self.snapshots.append({})
             try:
-                with watch:
+                with OpWatch(watch):
                     return function(*args, **kwargs)
             except BaseException:
                 if phase == "forward":
@@ -835,14 +797,14 @@ class _Session:
         for owner, name, qualname in self.buffer_slots:
             tensor = owner._buffers.get(name)
             if tensor is not None:
-                state[qualname] = (id(tensor), tensor._version, _storage_key(tensor))
+                state[qualname] = (id(tensor), tensor._version, storage_key_or_none(tensor))
         return state
 
     def _trace_region(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                       caller: FrameType) -> Any:
         """At trace time, inline the checkpointed function and note the nodes it made."""
         user_kwargs = {k: v for k, v in kwargs.items() if k not in _CHECKPOINT_FLAGS}
-        proxies = [v for v in _flat([*args, *user_kwargs.values()]) if isinstance(v, fx.Proxy)]
+        proxies = [v for v in leaves([*args, *user_kwargs.values()]) if isinstance(v, fx.Proxy)]
         if not proxies:
             return function(*args, **user_kwargs)
         graph = proxies[0].tracer.graph
@@ -928,7 +890,7 @@ class _Session:
         watch = _Watch(self.param_names, {}, {})
         try:
             try:
-                with watch:
+                with OpWatch(watch):
                     output = self.root(*args, **kwargs)
             except Exception as err:
                 if self.failed_call is None or self.function_failed:
@@ -942,7 +904,8 @@ class _Session:
                 return step
             step.forward_done = True
             step.used_anywhere = watch.params_used
-            step.output_keys = {k for t in _tensors(output) if (k := _storage_key(t)) is not None}
+            step.output_keys = {k for t in tensors(output)
+                                if (k := storage_key_or_none(t)) is not None}
             loss = _loss(output, loss_fn, self.subject)
             del output
             if loss is None:
@@ -1479,18 +1442,6 @@ def _modules_of(function: Any, depth: int = 0) -> list[nn.Module]:
         else:
             found += _modules_of(value, depth + 1)
     return found
-
-
-def _flat(values: Sequence[Any]) -> list[Any]:
-    out: list[Any] = []
-    for value in values:
-        if isinstance(value, (list, tuple)):
-            out += _flat(value)
-        elif isinstance(value, dict):
-            out += _flat(list(value.values()))
-        else:
-            out.append(value)
-    return out
 
 
 def _span(segment: Segment) -> str:

@@ -55,21 +55,20 @@ from __future__ import annotations
 
 import array
 import copy
-import functools
 import statistics
 import threading
 import time
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autockpt.budget import storage_bytes
 from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, map_tensors,
+                                 storage_of, tensors)
 from autockpt.loss import LossFn, call_loss, check_loss_fn, inner_loss, output_tensors
 from autockpt.units import format_bytes, format_seconds
 
@@ -119,33 +118,14 @@ _LIFT_FRESH_OPS = frozenset(
 )
 
 
-def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage behind ``tensor``, or None when it has none we can account for
-    (sparse and other storage-less layouts, wrapper subclasses)."""
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-class _TrackingMode(TorchDispatchMode):
-    """Forwards every op to its tracker after running it."""
+class _Forward(OpObserver):
+    """Hands every op, after it ran, to its tracker."""
 
     def __init__(self, tracker: track_activation_memory) -> None:
-        super().__init__()
         self._tracker = tracker
 
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self._tracker._after_op(func, args, kwargs, out)
-        return out
+    def after_op(self, op: Op, out: Any) -> None:
+        self._tracker._after_op(op, out)
 
 
 class track_activation_memory:  # noqa: N801 - a context manager, named like torch.no_grad
@@ -204,7 +184,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
         self._excluded_ptrs: set[int] = set()
         for item in exclude_list:
             if isinstance(item, torch.Tensor):
-                storage = _storage_of(item)
+                storage = storage_of(item)
             elif isinstance(item, torch.UntypedStorage):
                 storage = item
             else:
@@ -217,15 +197,11 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             self._excluded_storages.append(storage)
             self._excluded_ptrs.add(storage.data_ptr())
 
-        # Storages counted and alive: id(storage) -> nbytes. The id is stable and unique
-        # while the storage lives, and its weakref callback removes the entry before the id
-        # can be reused (CPython clears weak references before freeing the object).
-        self._live: dict[int, int] = {}
-        # id(storage) -> index of the op that allocated it, for reclassify().
-        self._born: dict[int, int] = {}
-        self._live_refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        # Storages that existed before we saw them, held weakly: id(storage) -> weakref.
-        self._foreign: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        # Storages counted and alive: (nbytes, index of the op that allocated it, for
+        # reclassify()).
+        self._live: LiveStorages[tuple[int, int]] = LiveStorages(self._release)
+        # Storages that existed before we saw them, held weakly.
+        self._foreign: LiveStorages[None] = LiveStorages()
 
         self._current = 0
         self._peak = 0
@@ -239,7 +215,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
         # dropping a reference inside _after_op frees a storage. The backward of a CUDA
         # model runs on the autograd engine's device threads, hence the lock at all.
         self._lock = threading.RLock()
-        self._mode: _TrackingMode | None = None
+        self._mode: OpWatch | None = None
         self._state = "new"
 
     # -- readings ------------------------------------------------------------------------
@@ -320,17 +296,15 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             0
         """
         with self._lock:
-            storage = _storage_of(tensor)
+            storage = storage_of(tensor)
             if storage is None:
                 return
-            key = id(storage)
             self._excluded_storages.append(storage)
             self._excluded_ptrs.add(storage.data_ptr())
-            nbytes = self._live.pop(key, None)
-            self._live_refs.pop(key, None)
-            born = self._born.pop(key, None)
-            if nbytes is None or born is None:
+            entry = self._live.pop(storage)
+            if entry is None:
                 return
+            nbytes, born = entry
             self._current -= nbytes
             for i in range(born, len(self._op_bytes)):
                 self._op_bytes[i] -= nbytes
@@ -362,7 +336,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
                 fix="create a new tracker for each region you measure",
             )
         self._state = "active"
-        self._mode = _TrackingMode(self)
+        self._mode = OpWatch(_Forward(self))
         self._mode.__enter__()
         return self
 
@@ -381,62 +355,44 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
                 self._mode = None
                 # Dropping the weak references cancels their callbacks, which freezes the
                 # readings and releases the storages of the excluded tensors.
-                self._live_refs.clear()
                 self._live.clear()
-                self._born.clear()
                 self._foreign.clear()
                 self._excluded_storages.clear()
 
     # -- bookkeeping, called from the dispatch mode and from weakref callbacks -----------
 
-    def _after_op(
-        self,
-        func: torch._ops.OpOverload,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        out: Any,
-    ) -> None:
+    def _after_op(self, op: Op, out: Any) -> None:
         with self._lock:
             if self._state != "active":
                 return
             # A tensor that lift_fresh receives was just built from Python data by
             # torch.tensor(); it is new, so do not let it be classified as foreign.
-            if func not in _LIFT_FRESH_OPS:
-                for tensor in _flat_tensors(args):
+            if op.func not in _LIFT_FRESH_OPS:
+                for tensor in op.inputs():
                     self._note_input(tensor)
-                if kwargs:
-                    for tensor in _flat_tensors(tuple(kwargs.values())):
-                        self._note_input(tensor)
-            if isinstance(out, torch.Tensor):
-                self._note_output(out)
-            elif isinstance(out, (tuple, list)):
-                for tensor in _flat_tensors(out):
-                    self._note_output(tensor)
+            for tensor in tensors(out):
+                self._note_output(tensor)
             self._op_bytes.append(self._current)
 
     def _note_input(self, tensor: torch.Tensor) -> None:
-        storage = _storage_of(tensor)
-        if storage is None:
+        storage = storage_of(tensor)
+        if storage is None or storage in self._live or storage in self._foreign:
             return
-        key = id(storage)
-        if key in self._live or key in self._foreign:
-            return
-        self._foreign[key] = weakref.ref(storage, functools.partial(self._forget_foreign, key))
+        self._foreign.add(storage, None)
 
     def _note_output(self, tensor: torch.Tensor) -> None:
-        storage = _storage_of(tensor)
+        storage = storage_of(tensor)
         if storage is None:
             return
-        key = id(storage)
-        known = self._live.get(key)
+        known = self._live.get(storage)
         if known is not None:
             # An op may resize a storage it was handed (out= variants, resize_).
             nbytes = storage.nbytes()
-            if nbytes != known:
-                self._live[key] = nbytes
-                self._add(nbytes - known)
+            if nbytes != known[0]:
+                self._live.add(storage, (nbytes, known[1]))
+                self._add(nbytes - known[0])
             return
-        if key in self._foreign:
+        if storage in self._foreign:
             return
         device = storage.device
         if device.type == "meta":
@@ -451,9 +407,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             return
         if storage.data_ptr() in self._excluded_ptrs:
             return
-        self._live[key] = nbytes
-        self._born[key] = len(self._op_bytes)
-        self._live_refs[key] = weakref.ref(storage, functools.partial(self._release, key))
+        self._live.add(storage, (nbytes, len(self._op_bytes)))
         self._add(nbytes)
 
     def _add(self, nbytes: int) -> None:
@@ -463,28 +417,10 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             if self._current > self._peak:
                 self._peak = self._current
 
-    def _release(self, key: int, _ref: object) -> None:
+    def _release(self, entry: tuple[int, int]) -> None:
         with self._lock:
-            nbytes = self._live.pop(key, None)
-            self._live_refs.pop(key, None)
-            self._born.pop(key, None)
-            if nbytes is not None and self._state == "active":
-                self._current -= nbytes
-
-    def _forget_foreign(self, key: int, _ref: object) -> None:
-        with self._lock:
-            self._foreign.pop(key, None)
-
-
-def _flat_tensors(values: tuple[Any, ...] | list[Any]) -> Iterator[torch.Tensor]:
-    """Tensors among op arguments or results: ATen nests at most one level (Tensor[])."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (tuple, list)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
+            if self._state == "active":
+                self._current -= entry[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -690,8 +626,8 @@ def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     """A training step of ``model`` on these (already checked) inputs, set up the way
     :func:`measure` measures it: non-leaf inputs detached, the leaves whose ``.grad`` backward
     writes collected, the device found."""
-    args = _map_tensors(args, _detach_non_leaf)
-    kwargs = _map_tensors(kwargs, _detach_non_leaf)
+    args = map_tensors(args, _detach_non_leaf)
+    kwargs = map_tensors(kwargs, _detach_non_leaf)
     parameters = list(model.parameters())
     buffers = list(model.buffers())
     input_tensors = list(output_tensors((args, kwargs)))
@@ -1006,27 +942,3 @@ def _detach_non_leaf(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.requires_grad and not tensor.is_leaf:
         return tensor.detach().requires_grad_(True)
     return tensor
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to the tensors in nested tuples (named ones too), lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        items = [_map_tensors(item, fn) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_map_tensors(item, fn) for item in obj]
-    if isinstance(obj, dict):
-        mapped = {key: _map_tensors(value, fn) for key, value in obj.items()}
-        return mapped if type(obj) is dict else _rebuild_dict(obj, mapped)
-    return obj
-
-
-def _rebuild_dict(original: dict[Any, Any], mapped: dict[Any, Any]) -> dict[Any, Any]:
-    try:
-        rebuilt = original.copy()
-        rebuilt.update(mapped)
-        return rebuilt
-    except Exception:
-        return mapped

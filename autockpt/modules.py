@@ -68,10 +68,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import hashlib
 import itertools
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -79,13 +77,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter,
+                                 storage_key, tensors)
 from autockpt.planner import MODES, Plan, make_plan
-from autockpt.profile import describe_inputs, flop_counter
+from autockpt.profile import describe_inputs
 from autockpt.stats import NodeStat, Profile, StorageStat, assume_loss
 from autockpt.trace import base_class, generated_subclass, shallow_view
 
@@ -175,93 +174,80 @@ class ModuleProfile:
 # --------------------------------------------------------------------------- recording
 
 
-def _key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
-
-
 def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
-        seen.setdefault(_key(t), t.untyped_storage().nbytes())
+        seen.setdefault(storage_key(t), t.untyped_storage().nbytes())
     return sum(seen.values())
 
 
-class _Recorder(TorchDispatchMode):
-    """Logs every op of the forward: what it reads, writes and allocates, whether it is
-    random. Ops are numbered from 1; hooks note the count, so any stretch of the forward
-    (a module call, the gap between two blocks) is an interval of op numbers.
+class _Recorder(OpObserver):
+    """Logs every op of the forward, as its :attr:`watch` sees them: what it reads, writes and
+    allocates, whether it is random. Ops are numbered from 1; hooks note the count, so any
+    stretch of the forward (a module call, the gap between two blocks) is an interval of op
+    numbers.
 
-    Storages are numbered in order of allocation (*serials*): the address that identifies a
-    live storage is reused once it is freed, so it cannot name one after its death."""
+    Storages are numbered in order of allocation (*serials*), which name them in the log
+    after their death too; pre-existing storages are named by their
+    :func:`~autockpt.instrument.storage_key`."""
 
     def __init__(self, old_keys: set[int]) -> None:
-        super().__init__()
-        self.count = 0
+        self.watch = OpWatch(self)
         self.old_keys = old_keys
-        self.live: dict[int, int] = {}  # storage address -> serial, while alive
+        self.live: LiveStorages[int] = LiveStorages(self._freed)  # storage -> serial
         self.sizes: list[int] = []  # by serial
         self.produced_at: list[int] = []  # by serial: the op that allocated it
         self.reads: list[tuple[int, int, bool]] = []  # (op, serial, requires_grad)
-        self.old_reads: list[tuple[int, int]] = []  # (op, address) of pre-existing storages
+        self.old_reads: list[tuple[int, int]] = []  # (op, key) of pre-existing storages
         self.writes: list[tuple[int, int]] = []  # (op, serial)
-        self.old_writes: list[tuple[int, int]] = []  # (op, address): buffers
+        self.old_writes: list[tuple[int, int]] = []  # (op, key): buffers
         self.random_ops: list[int] = []
         # (op, serial, +bytes or -bytes): allocations and frees, for working sets.
         self.memory: list[tuple[int, int, int]] = []
-        self._refs: list[weakref.ref[Any]] = []
+
+    @property
+    def count(self) -> int:
+        """How many ops have run."""
+        return self.watch.count
 
     def serial(self, tensor: torch.Tensor, op: int | None = None) -> int | None:
         """The serial of ``tensor``'s storage; a storage not seen before is registered as
         allocated by ``op`` (None: leave it unknown). Pre-existing storages have none."""
-        key = _key(tensor)
-        if key in self.old_keys:
+        if storage_key(tensor) in self.old_keys:
             return None
-        found = self.live.get(key)
+        storage = tensor.untyped_storage()
+        found = self.live.get(storage)
         if found is not None or op is None:
             return found
-        storage = tensor.untyped_storage()
         found = len(self.sizes)
-        self.live[key] = found
+        self.live.add(storage, found)
         self.sizes.append(storage.nbytes())
         self.produced_at.append(op)
         self.memory.append((op, found, storage.nbytes()))
-        self._refs.append(weakref.ref(storage, functools.partial(self._freed, key, found)))
         return found
 
-    def _freed(self, key: int, serial: int, _ref: object) -> None:
-        if self.live.get(key) == serial:
-            del self.live[key]
+    def _freed(self, serial: int) -> None:
         self.memory.append((self.count, serial, -self.sizes[serial]))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        self.count += 1
-        op = self.count
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            self.random_ops.append(op)
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in _tensor_leaves(value):
-                    found = self.serial(t)
-                    if found is None:
-                        self.old_writes.append((op, _key(t)))
-                    else:
-                        self.writes.append((op, found))
-        for t in _tensor_leaves((args, kwargs)):
+    def before_op(self, op: Op) -> None:
+        if op.random:
+            self.random_ops.append(op.index)
+        for t in op.written():
             found = self.serial(t)
             if found is None:
-                self.old_reads.append((op, _key(t)))
+                self.old_writes.append((op.index, storage_key(t)))
             else:
-                self.reads.append((op, found, t.requires_grad))
-        out = func(*args, **kwargs)
-        for t in _tensor_leaves(out):
-            self.serial(t, op)
-        return out
+                self.writes.append((op.index, found))
+        for t in op.inputs():
+            found = self.serial(t)
+            if found is None:
+                self.old_reads.append((op.index, storage_key(t)))
+            else:
+                self.reads.append((op.index, found, t.requires_grad))
+
+    def after_op(self, op: Op, out: Any) -> None:
+        for t in tensors(out):
+            self.serial(t, op.index)
 
 
 @dataclass
@@ -303,18 +289,18 @@ class _Session:
             self.order.append(id(sub))
             record.start = self.recorder.count
             record.flops_start = int(self.flops.get_total_flops())
-            tensors = _tensor_leaves((args, kwargs))
-            record.input_bytes = _unique_bytes(tensors)
-            record.input_grad = any(t.requires_grad for t in tensors)
+            given = tensors((args, kwargs))
+            record.input_bytes = _unique_bytes(given)
+            record.input_grad = any(t.requires_grad for t in given)
 
     def post(self, sub: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         record = self.calls[id(sub)]
         if record.calls == 1 and record.end == 0:
             record.end = self.recorder.count
             record.flops_end = int(self.flops.get_total_flops())
-            tensors = _tensor_leaves(output)
-            record.output_bytes = _unique_bytes(tensors)
-            for t in tensors:
+            returned = tensors(output)
+            record.output_bytes = _unique_bytes(returned)
+            for t in returned:
                 found = self.recorder.serial(t)
                 if t.requires_grad and found is not None:
                     self.recorder.reads.append((record.end, found, True))
@@ -334,7 +320,7 @@ class _Session:
                 handles.append(sub.register_forward_pre_hook(self.pre, with_kwargs=True))
                 handles.append(sub.register_forward_hook(self.post, with_kwargs=True,
                                                          always_call=False))
-            with self.flops, self.recorder, torch.autograd.graph.saved_tensors_hooks(
+            with self.flops, self.recorder.watch, torch.autograd.graph.saved_tensors_hooks(
                     self.pack, lambda t: t):
                 output = fn()
             return output
@@ -401,14 +387,14 @@ def _run_fake(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     named = list(module.named_parameters()) + list(module.named_buffers())
     fake_state = {name: fake_mode.from_tensor(t) for name, t in named}
-    buffer_names = {_key(fake_state[n]): n for n, _ in module.named_buffers()}
+    buffer_names = {storage_key(fake_state[n]): n for n, _ in module.named_buffers()}
 
     def fakeify(value: Any) -> Any:
         return fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
     fake_args, fake_kwargs = tree_map(fakeify, (args, kwargs))
-    old = {_key(t) for t in fake_state.values()} | {
-        _key(t) for t in _tensor_leaves((fake_args, fake_kwargs))}
+    old = {storage_key(t) for t in fake_state.values()} | {
+        storage_key(t) for t in tensors((fake_args, fake_kwargs))}
     session = _Session(module, set(old), buffer_names)
     _note_inputs(session, (fake_args, fake_kwargs))
     with fake_mode:
@@ -418,19 +404,19 @@ def _run_fake(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _note_inputs(session: _Session, inputs: Any) -> None:
-    tensors = _tensor_leaves(inputs)
-    session.input_keys = {_key(t) for t in tensors}
-    session.inputs_grad = any(t.requires_grad for t in tensors)
+    given = tensors(inputs)
+    session.input_keys = {storage_key(t) for t in given}
+    session.inputs_grad = any(t.requires_grad for t in given)
 
 
 def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> tuple[_Session, Any]:
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    buffer_names = {_key(b): n for n, b in module.named_buffers()}
-    old = {_key(t) for t in [*module.parameters(), *module.buffers()]} | {
-        _key(t) for t in _tensor_leaves((args, kwargs))}
+    buffer_names = {storage_key(b): n for n, b in module.named_buffers()}
+    old = {storage_key(t) for t in [*module.parameters(), *module.buffers()]} | {
+        storage_key(t) for t in tensors((args, kwargs))}
     devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers(),
-                                                    *_tensor_leaves((args, kwargs))]
+                                                    *tensors((args, kwargs))]
                       if t.device.type == "cuda"})
     session = _Session(module, set(old), buffer_names)
     _note_inputs(session, (args, kwargs))
@@ -656,7 +642,7 @@ def _chain_profile(session: _Session, chain: list[ModuleCall], output: Any,
     for op, serial, needs_grad in session.saved:
         saved_by[serial].add(node_of(op))
         grad[serial] = grad[serial] or needs_grad
-    for t in _tensor_leaves(output):
+    for t in tensors(output):
         serial = rec.serial(t)
         if serial is not None:
             is_output[serial] = True

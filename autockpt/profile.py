@@ -20,20 +20,18 @@ from typing import Any
 
 import contextlib
 import functools
-import itertools
-import weakref
 from dataclasses import replace
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils import flop_counter as flop_formulas
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import InvalidArgumentError
+from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter,
+                                 run_with_state, storage_key, tensors)
 from autockpt.loss import LossFn, call_loss, inner_loss
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
 from autockpt.trace import TracedModel
@@ -41,59 +39,18 @@ from autockpt.trace import TracedModel
 __all__ = ["profile", "describe_inputs", "flop_counter"]
 
 
-def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return flop_formulas.sdpa_flop_count(query, key, value)
-
-
-def _cpu_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any,
-                                  *args: Any, **kwargs: Any) -> int:
-    return flop_formulas.sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-def flop_counter() -> FlopCounterMode:
-    """A :class:`~torch.utils.flop_counter.FlopCounterMode` that also counts the CPU kernel
-    of ``scaled_dot_product_attention``, which torch's own table leaves at zero (its CUDA
-    kernels are counted). Without it attention would look free to recompute on CPU.
-
-    Example:
-        >>> import torch
-        >>> q = torch.randn(1, 2, 8, 4)
-        >>> with flop_counter() as counter:
-        ...     _ = torch.nn.functional.scaled_dot_product_attention(q, q, q)
-        >>> counter.get_total_flops()
-        2048
-    """
-    aten = torch.ops.aten
-    mapping: dict[Any, Any] = {}
-    for name, formula in (
-        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_attention_flops),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_attention_backward_flops),
-    ):
-        op = getattr(aten, name, None)
-        if op is not None and op not in flop_formulas.flop_registry:
-            mapping[op] = formula
-    return FlopCounterMode(display=False, custom_mapping=mapping)
-
-
-class _OpWatcher(TorchDispatchMode):
-    """Notes whether an op that consumes the RNG ran, and which storages ops wrote in place.
-
-    Writes are read off each op's schema (``Tensor(a!)`` arguments), which also catches
-    BatchNorm's running statistics: fake kernels do not bump their version counters. Some
-    batch-norm ops update ``running_mean`` and ``running_var`` in training without saying so
-    in their schema (``native_batch_norm``, ``cudnn_batch_norm``, ``miopen_batch_norm``, the
-    op ``F.batch_norm`` reaches on CPU): :func:`_unannotated_writes` adds those.
-    """
+class _WorkingSet(OpObserver):
+    """Per node (between two :meth:`reset`), what the :class:`~autockpt.instrument.OpWatch`
+    saw: whether an op consumed the RNG, which storages ops wrote in place, and the most bytes
+    of new storages alive at once."""
 
     def __init__(self, old_keys: set[int]) -> None:
-        super().__init__()
         self.random = False
         self.written: set[int] = set()
         # Storages that exist before a node runs (inputs, parameters, earlier activations)
         # are not part of its working set; the caller adds each node's results.
         self.old_keys = old_keys
-        self._refs: list[weakref.ref[torch.UntypedStorage]] = []
-        self._live: dict[int, int] = {}
+        self._live: LiveStorages[int] = LiveStorages(self._release)
         self.live_bytes = 0
         self.peak_bytes = 0
         self.freed_bytes = 0
@@ -104,49 +61,38 @@ class _OpWatcher(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.freed_bytes = 0
-        self._live = {}
+        self._live.clear()
 
-    def note_freed(self, size: int, _ref: object) -> None:
+    def note_freed(self, size: int) -> None:
         """An older storage (saved by the node whose backward runs) was freed."""
         self.freed_bytes += size
 
-    def _release(self, key: int, _ref: object) -> None:
-        self.live_bytes -= self._live.pop(key, 0)
+    def _release(self, size: int) -> None:
+        self.live_bytes -= size
+
+    def before_op(self, op: Op) -> None:
+        if op.random:
+            self.random = True
+        for t in op.written():
+            self.written.add(storage_key(t))
+
+    def after_op(self, op: Op, out: Any) -> None:
+        _widen_reduced_loss(op.func, op.args, op.kwargs, out)
+        for t in tensors(out):
+            if storage_key(t) not in self.old_keys:
+                self._note_output(t)
 
     def _note_output(self, tensor: torch.Tensor) -> None:
-        # Fake storages are freed like real ones, so weak references tell how many bytes a
-        # node's ops hold at once: its working set, temporaries inside leaf modules included.
+        # Fake storages are freed like real ones, so a ledger of the live ones tells how many
+        # bytes a node's ops hold at once: its working set, temporaries inside leaf modules
+        # included.
         storage = tensor.untyped_storage()
-        key = id(storage)
-        if key in self._live:
+        if storage in self._live:
             return
         size = storage.nbytes()
-        self._live[key] = size
-        self._refs.append(weakref.ref(storage, functools.partial(self._release, key)))
+        self._live.add(storage, size)
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes - self.freed_bytes)
-
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            self.random = True
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in _tensors(value):
-                    self.written.add(_storage_key(t))
-        for t in _unannotated_writes(func, args, kwargs):
-            self.written.add(_storage_key(t))
-        out = func(*args, **kwargs)
-        _widen_reduced_loss(func, args, kwargs, out)
-        for t in _tensors(out):
-            if not self._is_old(t):
-                self._note_output(t)
-        return out
-
-    def _is_old(self, tensor: torch.Tensor) -> bool:
-        return _storage_key(tensor) in self.old_keys
 
 
 def _reduced_losses() -> tuple[Any, ...]:
@@ -182,68 +128,6 @@ def _widen_reduced_loss(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         out.untyped_storage().resize_(nbytes)
 
 
-_RUNNING_STATS = ("running_mean", "running_var")
-
-
-@functools.cache
-def _running_stat_positions(func: Any) -> tuple[int, tuple[int, ...]] | None:
-    """``(position of training, positions of running stats)`` for an op that takes running
-    statistics and a ``training`` flag but does not mark them written in its schema."""
-    arguments = func._schema.arguments
-    names = [a.name for a in arguments]
-    if "training" not in names:
-        return None
-    stats = tuple(
-        i for i, a in enumerate(arguments)
-        if a.name in _RUNNING_STATS and not (a.alias_info is not None and a.alias_info.is_write)
-    )
-    return (names.index("training"), stats) if stats else None
-
-
-def _unannotated_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                        ) -> list[torch.Tensor]:
-    """The running statistics a batch-norm op updates in training although its schema does
-    not say so."""
-    positions = _running_stat_positions(func)
-    if positions is None:
-        return []
-    arguments = func._schema.arguments
-
-    def value(i: int) -> Any:
-        return args[i] if i < len(args) else kwargs.get(arguments[i].name)
-
-    training, stats = positions
-    if value(training) is not True:
-        return []
-    return [t for i in stats for t in _tensors(value(i))]
-
-
-# NOTE [ Storage keys ]
-# A storage's address (``_cdata``) is reused as soon as the storage is freed, and profiling
-# frees storages all the time (each probe's copies, the loss's targets), so a set of
-# addresses of "old" storages would take a new storage at a reused address for an old one and
-# leave it out of a working set: the estimate would then depend on where the allocator put
-# things, and differ from one run to the next. A key is instead a serial number given to the
-# storage object the first time it is seen; storages keep their Python object for as long as
-# they live, and a weak key dictionary forgets the dead ones.
-_KEYS: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = weakref.WeakKeyDictionary()
-_SERIALS = itertools.count(1)
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    """A number for ``tensor``'s storage that no other storage ever gets (NOTE [ Storage keys
-    ])."""
-    storage = tensor.untyped_storage()
-    key = _KEYS.get(storage)
-    if key is None:
-        key = _KEYS[storage] = next(_SERIALS)
-    return key
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
-
-
 def describe_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """``"x: float32[16, 1000]"``-style description of a call's tensor arguments."""
 
@@ -273,7 +157,7 @@ def _output_kind(node: fx.Node, value: Any) -> str:
         return "parameter"
     if isinstance(value, torch.Tensor):
         return "tensor"
-    return "container" if _tensors(value) else "constant"
+    return "container" if tensors(value) else "constant"
 
 
 def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | None = None
@@ -302,8 +186,8 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
     # Tied parameters (shared embeddings) appear once here; functional_call re-ties them.
     named = list(gm.named_parameters()) + list(gm.named_buffers())
     fake_state = {name: fake_mode.from_tensor(t) for name, t in named}
-    param_keys = {_storage_key(t) for t in fake_state.values()}
-    buffer_names = {_storage_key(fake_state[n]): n for n, _ in gm.named_buffers()}
+    param_keys = {storage_key(t) for t in fake_state.values()}
+    buffer_names = {storage_key(fake_state[n]): n for n, _ in gm.named_buffers()}
 
     def fakeify(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -316,15 +200,14 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
         if name not in inputs:
             raise InvalidArgumentError(f"no example value for the forward's parameter {name!r}")
         values_in.append(fakeify(inputs[name]))
-    input_keys = {_storage_key(t) for v in values_in for t in _tensors(v)}
+    input_keys = {storage_key(t) for v in values_in for t in tensors(v)}
 
     runner = _ProfileRunner(gm, param_keys, input_keys, buffer_names)
     runner.real_state = dict(named)
     runner.loss_fn = loss_fn
     runner.unflatten = traced.unflatten
     with fake_mode:
-        torch.func.functional_call(runner, {f"gm.{k}": v for k, v in fake_state.items()},
-                                   tuple(values_in), strict=False)
+        run_with_state(gm, fake_state, runner.profile_graph, tuple(values_in))
     description = describe_inputs((), {n: inputs[n] for n in traced.spec.param_names})
     return runner.result(description)
 
@@ -335,7 +218,7 @@ def _real_tensors_allowed(output: Any) -> Iterator[None]:
     fake output: the fake mode converts them as they come."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    mode = next((t.fake_mode for t in _tensors(output) if isinstance(t, FakeTensor)), None)
+    mode = next((t.fake_mode for t in tensors(output) if isinstance(t, FakeTensor)), None)
     if mode is None:
         yield
         return
@@ -363,8 +246,9 @@ def _real_tensors_allowed(output: Any) -> Iterator[None]:
 # loss does at least (NOTE [ The default loss ]).
 
 
-class _ProfileRunner(torch.nn.Module):
-    """Runs the graph node by node (a module, so ``functional_call`` can swap in fake state)."""
+class _ProfileRunner(fx.Interpreter):
+    """Runs the graph node by node on fake tensors and writes what each node did into its
+    ``node.meta["autockpt"]``, as ``torch.fx.passes.shape_prop.ShapeProp`` writes shapes."""
 
     def __init__(
         self,
@@ -373,8 +257,9 @@ class _ProfileRunner(torch.nn.Module):
         input_keys: set[int],
         buffer_names: dict[int, str],
     ) -> None:
-        super().__init__()
-        self.gm = gm
+        # Every value stays in the environment: the loss node and the probes read them.
+        super().__init__(gm, garbage_collect_values=False)
+        self.extra_traceback = False
         self._param_keys = param_keys
         self._input_keys = input_keys
         self._buffer_names = buffer_names
@@ -387,166 +272,176 @@ class _ProfileRunner(torch.nn.Module):
         self.loss_fn: LossFn | None = None
         self.unflatten: Any = None
         self.loss: LossStat | None = None
-
-    def forward(self, *values_in: Any) -> None:
-        gm = self.gm
-        nodes = list(gm.graph.nodes)
-        position = {node: i for i, node in enumerate(nodes)}
-        interpreter = fx.Interpreter(gm)
+        self._position = {node: i for i, node in enumerate(gm.graph.nodes)}
         # storage key -> index into self._storages; inputs and parameters are not activations.
-        storage_index: dict[int, int] = {}
-        value_storages: dict[fx.Node, list[int]] = {}
+        self._storage_index: dict[int, int] = {}
+        self._value_storages: dict[fx.Node, list[int]] = {}
+        self._saved_now: list[torch.Tensor] = []
+        self._counter = flop_counter()
+        self._watcher = _WorkingSet(old_keys=set(param_keys) | set(input_keys))
+
+    def profile_graph(self, *values_in: Any) -> None:
+        """One run of the graph on the forward's (fake) parameters, every node measured."""
+        with self._counter, OpWatch(self._watcher), torch.autograd.graph.saved_tensors_hooks(
+                self._pack, lambda t: t):
+            self.run(*values_in, enable_io_processing=False)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._saved_now.append(tensor)
+        return tensor
+
+    def _own(self, key: int, tensor: torch.Tensor, producer: int) -> int | None:
+        if key in self._param_keys or key in self._input_keys:
+            return None
         storages = self._storages
-        saved_now: list[torch.Tensor] = []
-        args_iter = iter(values_in)
+        if key not in self._storage_index:
+            self._storage_index[key] = len(storages)
+            storages.append(
+                {
+                    "size_bytes": tensor.untyped_storage().nbytes(),
+                    "producer": producer,
+                    "users": set(),
+                    "saved_by": set(),
+                    "requires_grad": tensor.requires_grad,
+                    "is_output": False,
+                }
+            )
+        return self._storage_index[key]
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved_now.append(tensor)
-            return tensor
+    def evaluate(self, node: fx.Node) -> Any:
+        """The node's value as the plain interpreter computes it (the probes run it again)."""
+        return super().run_node(node)
 
-        def own(key: int, tensor: torch.Tensor, producer: int) -> int | None:
-            if key in self._param_keys or key in self._input_keys:
-                return None
-            if key not in storage_index:
-                storage_index[key] = len(storages)
-                storages.append(
-                    {
-                        "size_bytes": tensor.untyped_storage().nbytes(),
-                        "producer": producer,
-                        "users": set(),
-                        "saved_by": set(),
-                        "requires_grad": tensor.requires_grad,
-                        "is_output": False,
-                    }
-                )
-            return storage_index[key]
-
-        counter = flop_counter()
-        watcher = _OpWatcher(old_keys=set(self._param_keys) | set(self._input_keys))
-        with counter, watcher, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            for index, node in enumerate(nodes):
+    def run_node(self, node: fx.Node) -> Any:
+        gm = self.module
+        position = self._position
+        index = position[node]
+        storage_index = self._storage_index
+        value_storages = self._value_storages
+        storages = self._storages
+        saved_now = self._saved_now
+        counter = self._counter
+        watcher = self._watcher
+        own = self._own
+        if node.op == "output":
+            index = self._loss_node(node, index, position, counter, watcher, saved_now, own,
+                                    storage_index, value_storages)
+        flops_before = counter.get_total_flops()
+        watcher.reset()
+        saved_now.clear()
+        input_nodes = node.all_input_nodes if node.op != "output" else []
+        ordered_inputs = sorted(input_nodes, key=position.__getitem__)
+        if node.op == "output":
+            value = None
+        elif node.op == "call_module":
+            value = self._run_module(node, saved_now)
+        else:
+            value = self.evaluate(node)
+        self.env[node] = value
+        written = watcher.written
+        mutated_buffers = {self._buffer_names[k] for k in written if k in self._buffer_names}
+        if mutated_buffers and node.op == "call_module":
+            # Snapshot the module's buffers together: they are updated as a set.
+            module = gm.get_submodule(str(node.target))
+            mutated_buffers |= {f"{node.target}.{n}" for n, _ in module.named_buffers()}
+        mutated_inputs = sorted(
+            {
+                storages[storage_index[k]]["producer"]
+                for k in written
+                if k in storage_index and storages[storage_index[k]]["producer"] != index
+            }
+        )
+        work_bytes = watcher.peak_bytes
+        flops = int(counter.get_total_flops() - flops_before)
+        watcher.old_keys.update(storage_key(t) for t in tensors(value))
+        watcher.old_keys.update(storage_key(t) for t in saved_now)
+        random = watcher.random  # before the probe resets the watcher
+        probe_key = _probe_key(self, node, storage_index)
+        if probe_key is not None and probe_key in self._probes:
+            backward, accumulate = self._probes[probe_key]
+        else:
+            with _modules_untracked(counter):
+                probed = _probe_backward(self, node, ordered_inputs, storage_index, watcher,
+                                         saved_now)
+                with_params = _probe_backward(self, node, ordered_inputs, storage_index,
+                                              watcher, saved_now, with_params=True)
+            backward = accumulate = None
+            if probed is not None:
+                backward, accumulate = (probed[0], probed[1]), probed[0]
+                if with_params is not None:
+                    # See NOTE [ Temporaries of parameter gradients ].
+                    backward = (max(probed[0], with_params[0]), probed[1])
+                    accumulate = max(probed[0], with_params[2])
+            if probe_key is not None:
+                self._probes[probe_key] = (backward, accumulate)
+        out_storages: list[int] = []
+        output_bytes = 0
+        if node.op not in ("output", "get_attr"):
+            for t in tensors(value):
+                key = storage_key(t)
+                is_new = key not in storage_index
+                slot = own(key, t, index)
+                if slot is not None:
+                    if slot not in out_storages:
+                        out_storages.append(slot)
+                    if is_new:
+                        output_bytes += storages[slot]["size_bytes"]
+        value_storages[node] = out_storages
+        for t in saved_now:
+            slot = own(storage_key(t), t, index)
+            if slot is not None:
+                storages[slot]["saved_by"].add(index)
+        for i in input_nodes:
+            for slot in value_storages.get(i, ()):
+                storages[slot]["users"].add(index)
                 if node.op == "output":
-                    index = self._loss_node(node, index, interpreter, position, counter,
-                                            watcher, saved_now, own, storage_index,
-                                            value_storages)
-                flops_before = counter.get_total_flops()
-                watcher.reset()
-                saved_now.clear()
-                input_nodes = node.all_input_nodes if node.op != "output" else []
-                ordered_inputs = sorted(input_nodes, key=position.__getitem__)
-                if node.op == "placeholder":
-                    value = next(args_iter)
-                elif node.op == "output":
-                    value = None
-                elif node.op == "call_module":
-                    value = self._run_module(interpreter, node, saved_now)
-                else:
-                    value = interpreter.run_node(node)
-                interpreter.env[node] = value
-                written = watcher.written
-                mutated_buffers = {self._buffer_names[k] for k in written if k in self._buffer_names}
-                if mutated_buffers and node.op == "call_module":
-                    # Snapshot the module's buffers together: they are updated as a set.
-                    module = gm.get_submodule(str(node.target))
-                    mutated_buffers |= {f"{node.target}.{n}" for n, _ in module.named_buffers()}
-                mutated_inputs = sorted(
-                    {
-                        storages[storage_index[k]]["producer"]
-                        for k in written
-                        if k in storage_index and storages[storage_index[k]]["producer"] != index
-                    }
-                )
-                work_bytes = watcher.peak_bytes
-                flops = int(counter.get_total_flops() - flops_before)
-                watcher.old_keys.update(_storage_key(t) for t in _tensors(value))
-                watcher.old_keys.update(_storage_key(t) for t in saved_now)
-                random = watcher.random  # before the probe resets the watcher
-                probe_key = _probe_key(interpreter, node, storage_index)
-                if probe_key is not None and probe_key in self._probes:
-                    backward, accumulate = self._probes[probe_key]
-                else:
-                    with _modules_untracked(counter):
-                        probed = _probe_backward(interpreter, node, ordered_inputs,
-                                                 storage_index, watcher, saved_now)
-                        with_params = _probe_backward(interpreter, node, ordered_inputs,
-                                                      storage_index, watcher, saved_now,
-                                                      with_params=True)
-                    backward = accumulate = None
-                    if probed is not None:
-                        backward, accumulate = (probed[0], probed[1]), probed[0]
-                        if with_params is not None:
-                            # See NOTE [ Temporaries of parameter gradients ].
-                            backward = (max(probed[0], with_params[0]), probed[1])
-                            accumulate = max(probed[0], with_params[2])
-                    if probe_key is not None:
-                        self._probes[probe_key] = (backward, accumulate)
-                out_storages: list[int] = []
-                output_bytes = 0
-                if node.op not in ("output", "get_attr"):
-                    for t in _tensors(value):
-                        key = _storage_key(t)
-                        is_new = key not in storage_index
-                        slot = own(key, t, index)
-                        if slot is not None:
-                            if slot not in out_storages:
-                                out_storages.append(slot)
-                            if is_new:
-                                output_bytes += storages[slot]["size_bytes"]
-                value_storages[node] = out_storages
-                for t in saved_now:
-                    slot = own(_storage_key(t), t, index)
-                    if slot is not None:
-                        storages[slot]["saved_by"].add(index)
-                for i in input_nodes:
-                    for slot in value_storages.get(i, ()):
-                        storages[slot]["users"].add(index)
-                        if node.op == "output":
-                            storages[slot]["is_output"] = True
-                trainable = False
-                read_params = [interpreter.env.get(i) for i in input_nodes if i.op == "get_attr"]
-                if node.op == "call_module":
-                    module = gm.get_submodule(str(node.target))
-                    trainable = any(p.requires_grad for p in module.parameters())
-                    read_params += list(module.parameters())
-                self._param_reads.append({
-                    _storage_key(t): t.untyped_storage().nbytes() for t in read_params
-                    if isinstance(t, torch.Tensor) and t.requires_grad
-                })
-                trainable = trainable or any(
-                    i.op == "get_attr"
-                    and isinstance(interpreter.env.get(i), torch.Tensor)
-                    and interpreter.env[i].requires_grad
-                    for i in input_nodes
-                )
-                stat = NodeStat(
-                    index=index,
-                    name=node.name,
-                    op=node.op,
-                    target=_target_name(node),
-                    module_path=_module_path(node),
-                    inputs=(tuple(sorted(position[i] for i in input_nodes))
-                            if node.op != "output" else (index - 1,)),
-                    users=tuple(sorted(position[u] for u in node.users)),
-                    output_kind=_output_kind(node, value),
-                    requires_grad=any(t.requires_grad for t in _tensors(value)),
-                    flops=flops,
-                    output_bytes=output_bytes,
-                    work_bytes=max(work_bytes, output_bytes),
-                    random=random,
-                    trainable=trainable,
-                    mutated_inputs=tuple(mutated_inputs),
-                    mutated_buffers=tuple(sorted(mutated_buffers)),
-                    backward_bytes=backward[0] if backward else 0,
-                    input_grad_bytes=backward[1] if backward else (),
-                    grad_bytes=_grad_size(value),
-                    accumulate_backward_bytes=(accumulate if backward and accumulate != backward[0]
-                                               else None),
-                )
-                node.meta["autockpt"] = stat
-                self._stats.append(stat)
+                    storages[slot]["is_output"] = True
+        trainable = False
+        read_params = [self.env.get(i) for i in input_nodes if i.op == "get_attr"]
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            trainable = any(p.requires_grad for p in module.parameters())
+            read_params += list(module.parameters())
+        self._param_reads.append({
+            storage_key(t): t.untyped_storage().nbytes() for t in read_params
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        })
+        trainable = trainable or any(
+            i.op == "get_attr"
+            and isinstance(self.env.get(i), torch.Tensor)
+            and self.env[i].requires_grad
+            for i in input_nodes
+        )
+        stat = NodeStat(
+            index=index,
+            name=node.name,
+            op=node.op,
+            target=_target_name(node),
+            module_path=_module_path(node),
+            inputs=(tuple(sorted(position[i] for i in input_nodes))
+                    if node.op != "output" else (index - 1,)),
+            users=tuple(sorted(position[u] for u in node.users)),
+            output_kind=_output_kind(node, value),
+            requires_grad=any(t.requires_grad for t in tensors(value)),
+            flops=flops,
+            output_bytes=output_bytes,
+            work_bytes=max(work_bytes, output_bytes),
+            random=random,
+            trainable=trainable,
+            mutated_inputs=tuple(mutated_inputs),
+            mutated_buffers=tuple(sorted(mutated_buffers)),
+            backward_bytes=backward[0] if backward else 0,
+            input_grad_bytes=backward[1] if backward else (),
+            grad_bytes=_grad_size(value),
+            accumulate_backward_bytes=(accumulate if backward and accumulate != backward[0]
+                                       else None),
+        )
+        node.meta["autockpt"] = stat
+        self._stats.append(stat)
+        return value
 
-    def _loss_node(self, node: fx.Node, index: int, interpreter: fx.Interpreter,
-                   position: dict[fx.Node, int], counter: FlopCounterMode, watcher: _OpWatcher,
+    def _loss_node(self, node: fx.Node, index: int, position: dict[fx.Node, int],
+                   counter: FlopCounterMode, watcher: _WorkingSet,
                    saved_now: list[torch.Tensor], own: Any, storage_index: dict[int, int],
                    value_storages: dict[fx.Node, list[int]]) -> int:
         """Add the loss node at ``index`` (NOTE [ The loss node ]); return the output node's
@@ -554,22 +449,22 @@ class _ProfileRunner(torch.nn.Module):
         producers = sorted(node.all_input_nodes, key=position.__getitem__)
 
         def structure() -> Any:
-            flat = interpreter.fetch_args_kwargs_from_env(node)[0][0]
+            flat = self.fetch_args_kwargs_from_env(node)[0][0]
             return self.unflatten(flat) if self.unflatten is not None else flat
 
         output = structure()
         own_loss = inner_loss(output) if self.loss_fn is None else None
         with _real_tensors_allowed(output):
-            return self._loss_stat(node, index, interpreter, position, counter, watcher,
-                                   saved_now, own, storage_index, value_storages, producers,
-                                   structure, output, own_loss)
+            return self._loss_stat(node, index, position, counter, watcher, saved_now, own,
+                                   storage_index, value_storages, producers, structure, output,
+                                   own_loss)
 
-    def _loss_stat(self, node: fx.Node, index: int, interpreter: fx.Interpreter,
-                   position: dict[fx.Node, int], counter: FlopCounterMode, watcher: _OpWatcher,
+    def _loss_stat(self, node: fx.Node, index: int, position: dict[fx.Node, int],
+                   counter: FlopCounterMode, watcher: _WorkingSet,
                    saved_now: list[torch.Tensor], own: Any, storage_index: dict[int, int],
                    value_storages: dict[fx.Node, list[int]], producers: list[fx.Node],
                    structure: Any, output: Any, own_loss: torch.Tensor | None) -> int:
-        env = interpreter.env
+        env = self.env
         storages = self._storages
 
         def slots_of(nodes: list[fx.Node]) -> list[int]:
@@ -586,9 +481,9 @@ class _ProfileRunner(torch.nn.Module):
             held = slots_of(producers)
         elif own_loss is not None:
             kind, name = "inner", "the model's own loss (output.loss)"
-            key = _storage_key(own_loss)
+            key = storage_key(own_loss)
             inputs = [i for i in producers
-                      if any(_storage_key(t) == key for t in _tensors(env.get(i)))][:1]
+                      if any(storage_key(t) == key for t in tensors(env.get(i)))][:1]
             backward = (0, (0,) * len(inputs), 0)  # the loss's own gradient, passed through
             grad_size = _grad_size(own_loss)
             held = [storage_index[key]] if key in storage_index else []
@@ -604,12 +499,12 @@ class _ProfileRunner(torch.nn.Module):
             flops = int(counter.get_total_flops() - before)
             work = watcher.peak_bytes
             random = watcher.random
-            watcher.old_keys.update(_storage_key(t) for t in [value, *saved_now])
+            watcher.old_keys.update(storage_key(t) for t in [value, *saved_now])
             saved = list(saved_now)
             with _modules_untracked(counter):
-                backward = _probe_backward(interpreter, node, inputs, storage_index, watcher,
+                backward = _probe_backward(self, node, inputs, storage_index, watcher,
                                            saved_now, run=lambda: fn(structure()))
-            key = _storage_key(value)
+            key = storage_key(value)
             is_new = key not in storage_index
             slot = own(key, value, index)
             if slot is not None:
@@ -617,7 +512,7 @@ class _ProfileRunner(torch.nn.Module):
                 storages[slot]["is_output"] = True
                 storages[slot]["users"].add(index + 1)
             for t in saved:
-                saved_slot = own(_storage_key(t), t, index)
+                saved_slot = own(storage_key(t), t, index)
                 if saved_slot is not None:
                     storages[saved_slot]["saved_by"].add(index)
             grad_size = _grad_size(value)
@@ -647,17 +542,16 @@ class _ProfileRunner(torch.nn.Module):
                              grad_bytes=sum(handed), work_bytes=stat.work_bytes)
         return index + 1
 
-    def _run_module(self, interpreter: fx.Interpreter, node: fx.Node,
-                    saved_now: list[torch.Tensor]) -> Any:
+    def _run_module(self, node: fx.Node, saved_now: list[torch.Tensor]) -> Any:
         """Run a leaf module on fake tensors or, if its forward needs tensor values (the
         reason the fx-leaves rung kept it whole), on real stand-ins; see NOTE [ Leaves that
         need real values ]."""
         try:
-            return interpreter.run_node(node)
+            return self.evaluate(node)
         except _DATA_DEPENDENT as err:
             failure = err
-        args, kwargs = interpreter.fetch_args_kwargs_from_env(node)
-        return _run_real(self.gm, str(node.target), self.real_state, args, kwargs, saved_now,
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        return _run_real(self.module, str(node.target), self.real_state, args, kwargs, saved_now,
                          failure)
 
     def result(self, description: str) -> Profile:
@@ -732,10 +626,10 @@ def _run_real(
         else:
             real = torch.zeros(value.shape, dtype=value.dtype)
         real.requires_grad_(value.requires_grad)
-        fake_of[_storage_key(real)] = value
+        fake_of[storage_key(real)] = value
         return real
 
-    fake_mode = next((v.fake_mode for v in _tensors((args, kwargs)) if isinstance(v, FakeTensor)),
+    fake_mode = next((v.fake_mode for v in tensors((args, kwargs)) if isinstance(v, FakeTensor)),
                      None)
     if fake_mode is None:
         raise failure
@@ -750,10 +644,10 @@ def _run_real(
         real_args, real_kwargs = tree_map(stand_in, (args, kwargs))
         start = len(saved_now)
         out = torch.func.functional_call(module, state, real_args, real_kwargs, strict=False)
-        flags = [t.requires_grad for t in _tensors(out)]
+        flags = [t.requires_grad for t in tensors(out)]
         out = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
     for i in range(start, len(saved_now)):
-        saved_now[i] = fake_of.get(_storage_key(saved_now[i]), saved_now[i])
+        saved_now[i] = fake_of.get(storage_key(saved_now[i]), saved_now[i])
     flag = iter(flags)
 
     def to_fake(value: Any) -> Any:
@@ -763,14 +657,14 @@ def _run_real(
 
     return tree_map(to_fake, out)
 def _carries_float_grad(value: Any) -> bool:
-    return any(t.is_floating_point() and t.requires_grad for t in _tensors(value))
+    return any(t.is_floating_point() and t.requires_grad for t in tensors(value))
 
 
 def _grad_size(value: Any) -> int:
     """Bytes of the gradients of the tensors in ``value`` that require grad."""
     seen: set[int] = set()
     total = 0
-    for t in _tensors(value):
+    for t in tensors(value):
         if t.requires_grad and id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
@@ -808,7 +702,7 @@ def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[i
         if isinstance(value, fx.Node):
             value = interpreter.env.get(value)
         if isinstance(value, torch.Tensor):
-            key = _storage_key(value)
+            key = storage_key(value)
             alias = seen.setdefault(key, len(seen))
             return ("T", tuple(value.shape), value.stride(), value.storage_offset(),
                     value.dtype, value.requires_grad, key in storage_index, alias)
@@ -848,8 +742,8 @@ def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[i
 # are taken off that probe's peak; the node's backward peak is the larger of the two probes.
 
 
-def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.Node],
-                    storage_index: dict[int, int], watcher: _OpWatcher,
+def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.Node],
+                    storage_index: dict[int, int], watcher: _WorkingSet,
                     saved_now: list[torch.Tensor], *, with_params: bool = False,
                     run: Any = None) -> tuple[int, tuple[int, ...], int] | None:
     """Run one node again on fake leaf copies of the activations it reads, then its backward
@@ -874,7 +768,7 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
 
     def fresh(k: int, value: Any) -> Any:
         if (isinstance(value, torch.Tensor) and value.requires_grad
-                and _storage_key(value) in storage_index):
+                and storage_key(value) in storage_index):
             # A copy with a history of its own (an in-place op may write to it), whose
             # gradient is taken where it enters that history.
             copy = value.detach().requires_grad_().clone()
@@ -902,29 +796,28 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
     mark = len(saved_now)
     try:
         env.update(substituted)
-        out = interpreter.run_node(node) if run is None else run()
+        out = interpreter.evaluate(node) if run is None else run()
     except Exception:  # noqa: BLE001 - cannot run twice on fake tensors: use the fallback
         return None
     finally:
         env.update(originals)
         saved = saved_now[mark:]
         del saved_now[mark:]
-    outs = [t for t in _tensors(out) if t.requires_grad]
+    outs = [t for t in tensors(out) if t.requires_grad]
     if not outs:
         return None
     seeds = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in outs]
-    leaf_keys = {_storage_key(t) for _, t in leaves}
-    temp_old = ({_storage_key(t) for t in [*outs, *seeds, *saved]} | leaf_keys) - watcher.old_keys
+    leaf_keys = {storage_key(t) for _, t in leaves}
+    temp_old = ({storage_key(t) for t in [*outs, *seeds, *saved]} | leaf_keys) - watcher.old_keys
     # What the node saved of its own making is freed as its backward runs.
     own: dict[int, torch.UntypedStorage] = {}
     for t in saved:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in leaf_keys:
             own.setdefault(key, t.untyped_storage())
     watcher.reset()
     watcher.old_keys |= temp_old
-    refs = [weakref.ref(st, functools.partial(watcher.note_freed, st.nbytes()))
-            for st in own.values()]
+    freed = _ledger_of(own.values(), watcher.note_freed)
     del saved, own, out
     param_edges = [torch.autograd.graph.get_gradient_edge(t) for t in params]
     try:
@@ -933,13 +826,13 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
         return None
     finally:
         watcher.old_keys -= temp_old
-        del refs
+        freed.clear()
     per_input = [0] * len(inputs)
-    seen = {_storage_key(g) for g in seeds}
+    seen = {storage_key(g) for g in seeds}
     for (k, _), grad in zip(leaves, grads):
         if grad is None:
             continue
-        key = _storage_key(grad)
+        key = storage_key(grad)
         if key not in seen:
             seen.add(key)
             per_input[k] += grad.untyped_storage().nbytes()
@@ -947,10 +840,20 @@ def _probe_backward(interpreter: fx.Interpreter, node: fx.Node, inputs: list[fx.
     # gradients ].
     param_bytes = 0
     for param, grad in zip(params, grads[len(edges):]):
-        if grad is not None and _storage_key(grad) not in seen and _same_layout(grad, param):
-            seen.add(_storage_key(grad))
+        if grad is not None and storage_key(grad) not in seen and _same_layout(grad, param):
+            seen.add(storage_key(grad))
             param_bytes += grad.untyped_storage().nbytes()
     return max(watcher.peak_bytes - param_bytes, 0), tuple(per_input), watcher.peak_bytes
+
+
+def _ledger_of(storages: Iterable[torch.UntypedStorage], on_free: Callable[[int], None]
+               ) -> LiveStorages[int]:
+    """A ledger that tells ``on_free`` the bytes of each of ``storages`` when it is freed
+    (a function, so that no local of the caller keeps one of them alive)."""
+    ledger: LiveStorages[int] = LiveStorages(on_free)
+    for storage in storages:
+        ledger.add(storage, storage.nbytes())
+    return ledger
 
 
 def _same_layout(grad: torch.Tensor, param: torch.Tensor) -> bool:

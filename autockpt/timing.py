@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from autockpt.errors import InvalidArgumentError
+from autockpt.instrument import run_with_state, tensors
 from autockpt.trace import TracedModel
 
 __all__ = ["COSTS", "time_nodes"]
@@ -71,76 +72,67 @@ def time_nodes(traced: TracedModel, inputs: dict[str, Any], *, repeat: int = 3
         raise InvalidArgumentError(f"repeat must be a positive int, got {repeat!r}",
                                    fix="pass e.g. repeat=3")
     gm = traced.graph_module
-    nodes = list(gm.graph.nodes)
     values_in = []
     for name in traced.spec.param_names:
         if name not in inputs:
             raise InvalidArgumentError(f"no example value for the forward's parameter {name!r}")
         values_in.append(inputs[name])
-    for t in _tensors(values_in):
+    for t in tensors(values_in):
         if t.is_meta or _is_fake(t):
             raise InvalidArgumentError(
                 "cost=\"profile\" times the model on real tensors, but an example input is a "
                 f"{'meta' if t.is_meta else 'fake'} tensor",
                 fix="pass real example inputs on the training device, or use cost=\"flops\"",
             )
-    device = _device_of(gm, values_in)
-    samples: list[list[int]] = [[] for _ in nodes]
-    runner = _TimingRunner(gm, nodes, samples, device)
-    with _train_mode(gm), _forked_rng(device), torch.no_grad():
+    timer = _NodeTimer(gm, _device_of(gm, values_in))
+    with _train_mode(gm), _forked_rng(timer.device), torch.no_grad():
         # no_grad is right for what this measures: the forward that a checkpoint recomputes.
         # (The recompute itself runs with grad enabled, which adds the cost of recording the
         # autograd graph, roughly in proportion to the forward; backward is not timed.)
         for run in range(repeat + 1):  # the first run warms up: lazy init, caches, allocator
-            buffers = {f"gm.{name}": b.detach().clone() for name, b in gm.named_buffers()}
-            runner.record = run > 0
-            torch.func.functional_call(runner, buffers, tuple(_clone(v) for v in values_in),
-                                       strict=False)
-    return tuple(int(statistics.median(s)) if s else 0 for s in samples)
+            buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
+            timer.record = run > 0
+            run_with_state(gm, buffers, timer.run_graph, tuple(_clone(v) for v in values_in))
+    return tuple(int(statistics.median(s)) if s else 0 for s in timer.samples)
 
 
-class _TimingRunner(torch.nn.Module):
-    """Runs the graph node by node, timing each (a module, so that ``functional_call`` can
-    swap in the buffer clones)."""
+class _NodeTimer(fx.Interpreter):
+    """Runs the graph node by node, timing each, as ``torch.fx.passes.shape_prop.ShapeProp``
+    runs it propagating shapes: :attr:`samples` gets one time per run for each node that
+    computes."""
 
-    def __init__(self, gm: fx.GraphModule, nodes: list[fx.Node], samples: list[list[int]],
-                 device: torch.device) -> None:
-        super().__init__()
-        self.gm = gm
-        self._nodes = nodes
-        self._samples = samples
-        self._cuda = device.type == "cuda"
-        self._device = device
+    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
+        # Every value is kept to the end of the run, as the captured forward keeps them.
+        super().__init__(gm, garbage_collect_values=False)
+        self.extra_traceback = False
+        self.device = device
         self.record = False
+        self._position = {node: i for i, node in enumerate(gm.graph.nodes)}
+        self.samples: list[list[int]] = [[] for _ in self._position]
+        """Per node in graph order, its times in nanoseconds (when :attr:`record`)."""
+
+    def run_graph(self, *values_in: Any) -> Any:
+        """One run on the forward's parameters, in order."""
+        return self.run(*values_in, enable_io_processing=False)
 
     def _sync(self) -> None:
         # CUDA kernels run asynchronously: without a barrier on both sides, a node's time
         # would be its launch overhead plus whatever earlier kernels were still running.
-        if self._cuda:
-            torch.cuda.synchronize(self._device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-    def forward(self, *values_in: Any) -> None:
-        interpreter = fx.Interpreter(self.gm)
-        args = iter(values_in)
-        for node, samples in zip(self._nodes, self._samples):
-            if node.op == "placeholder":
-                interpreter.env[node] = next(args)
-                continue
-            if node.op == "output":
-                continue
-            self._sync()
-            start = time.perf_counter_ns()
-            value = interpreter.run_node(node)
-            self._sync()
-            elapsed = time.perf_counter_ns() - start
-            interpreter.env[node] = value
-            if self.record and node.op != "get_attr":
-                # At least 1 ns: a compute node is never free, and 0 means "not timed".
-                samples.append(max(1, elapsed))
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output"):
+            return super().run_node(n)
+        self._sync()
+        start = time.perf_counter_ns()
+        value = super().run_node(n)
+        self._sync()
+        elapsed = time.perf_counter_ns() - start
+        if self.record and n.op != "get_attr":
+            # At least 1 ns: a compute node is never free, and 0 means "not timed".
+            self.samples[self._position[n]].append(max(1, elapsed))
+        return value
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
@@ -164,7 +156,7 @@ def _clone(value: Any) -> Any:
 def _device_of(gm: fx.GraphModule, values_in: list[Any]) -> torch.device:
     """Where the model computes: its parameters' device, else its buffers', else the
     inputs'."""
-    for t in [*gm.parameters(), *gm.buffers(), *_tensors(values_in)]:
+    for t in [*gm.parameters(), *gm.buffers(), *tensors(values_in)]:
         return t.device
     return torch.device("cpu")
 

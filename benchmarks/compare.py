@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autockpt  # noqa: E402
 from autockpt.loss import LossFn  # noqa: E402
-from autockpt.profile import flop_counter  # noqa: E402
+from autockpt.instrument import flop_counter  # noqa: E402
 from autockpt.report import format_table  # noqa: E402
 from models import MODELS, BenchLoss, Blocks, make_loss, sqrt_segments  # noqa: E402
 

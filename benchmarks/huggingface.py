@@ -42,7 +42,7 @@ from torch import nn  # noqa: E402
 
 
 import autockpt  # noqa: E402
-from autockpt.profile import flop_counter  # noqa: E402
+from autockpt.instrument import flop_counter  # noqa: E402
 from autockpt.report import format_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

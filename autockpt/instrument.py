@@ -1,0 +1,423 @@
+"""Instrumentation: seeing the ATen ops a piece of code runs, and the storages they make.
+
+Every analysis of autockpt that watches code run uses this module and nothing else:
+:mod:`autockpt.profile` (the working set of each node, on fake tensors), :mod:`autockpt.modules`
+(the log of one forward at the level of submodules), :mod:`autockpt.measure` (the activation
+memory of a real step), :mod:`autockpt.diagnose` (parameters read, random ops and writes inside
+a checkpoint) and :mod:`autockpt.timing` (the nodes run one by one).
+
+- :func:`tensors` and :func:`leaves` flatten a nested value, one way for all of them;
+  :func:`map_tensors` rebuilds one with its tensors replaced.
+- :func:`storage_key` names a storage for as long as the process lives.
+- :class:`OpWatch` is the one ``TorchDispatchMode``: it numbers the ops and hands each, before
+  and after it runs, to an :class:`OpObserver`; an :class:`Op` says what the op is (random,
+  which tensors it writes). What is counted is the observer's business.
+- :class:`LiveStorages` remembers storages while they live and says when one is freed: the
+  working sets and peaks are built on it.
+- :func:`flop_counter` counts FLOPs (a mode of torch's own, beside the watch).
+- :func:`run_with_state` runs a graph with other parameters and buffers swapped in.
+
+Example:
+    >>> import torch
+    >>> class Random(OpObserver):
+    ...     def __init__(self) -> None:
+    ...         self.names: list[str] = []
+    ...     def before_op(self, op: Op) -> None:
+    ...         if op.random:
+    ...             self.names.append(op.name)
+    >>> seen = Random()
+    >>> with OpWatch(seen):
+    ...     _ = torch.nn.functional.dropout(torch.ones(4), 0.5) + 1
+    >>> seen.names
+    ['bernoulli_']
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.fx as fx
+from torch.utils import flop_counter as flop_formulas
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = [
+    "LiveStorages",
+    "Op",
+    "OpObserver",
+    "OpWatch",
+    "flop_counter",
+    "leaves",
+    "map_tensors",
+    "run_with_state",
+    "storage_key",
+    "storage_key_or_none",
+    "storage_of",
+    "tensors",
+]
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- flattening
+
+
+def leaves(value: Any) -> list[Any]:
+    """The leaves of a nested value, in order: what ``torch.utils._pytree`` flattens
+    (tuples, lists, dicts, named tuples and the types registered with it, such as Hugging
+    Face's ``ModelOutput``), and inside it the mappings, dataclass instances and tuple or list
+    subclasses that pytree keeps whole.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass
+        ... class Out:
+        ...     a: int
+        ...     b: list[int]
+        >>> leaves({"x": (1, Out(2, [3]))})
+        [1, 2, 3]
+    """
+    found: list[Any] = []
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, Mapping):
+            found += leaves(list(leaf.values()))
+        elif isinstance(leaf, (list, tuple)):
+            found += leaves(list(leaf))
+        elif is_dataclass(leaf) and not isinstance(leaf, type):
+            found += leaves([getattr(leaf, f.name) for f in fields(leaf)])
+        else:
+            found.append(leaf)
+    return found
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors among :func:`leaves` of ``value``, in order (a tensor found twice is listed
+    twice).
+
+    Example:
+        >>> t = torch.ones(2)
+        >>> len(tensors({"a": t, "b": [t, 1.0]}))
+        2
+    """
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [v for v in leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to the tensors in its nested tuples (named ones too),
+    lists and dicts; a dict of another class (``OrderedDict``, ``ModelOutput``) is copied and
+    updated, so it keeps its class.
+
+    Example:
+        >>> map_tensors({"x": (torch.ones(1), 2)}, lambda t: t * 3)
+        {'x': (tensor([3.]), 2)}
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        items = [map_tensors(item, fn) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [map_tensors(item, fn) for item in value]
+    if isinstance(value, dict):
+        mapped = {key: map_tensors(item, fn) for key, item in value.items()}
+        return mapped if type(value) is dict else _rebuild_dict(value, mapped)
+    return value
+
+
+def _rebuild_dict(original: dict[Any, Any], mapped: dict[Any, Any]) -> dict[Any, Any]:
+    try:
+        rebuilt = original.copy()
+        rebuilt.update(mapped)
+        return rebuilt
+    except Exception:  # noqa: BLE001 - a dict class that cannot be copied: a plain dict
+        return mapped
+
+
+# --------------------------------------------------------------------------- storages
+
+
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage behind ``tensor``, or None when it has none that can be accounted for
+    (sparse and other storage-less layouts, wrapper subclasses)."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+# NOTE [ Storage keys ]
+# A storage's address (``_cdata``) is reused as soon as the storage is freed, and profiling
+# frees storages all the time (each probe's copies, the loss's targets), so a set of
+# addresses of "old" storages would take a new storage at a reused address for an old one and
+# leave it out of a working set: the estimate would then depend on where the allocator put
+# things, and differ from one run to the next. A key is instead a serial number given to the
+# storage object the first time it is seen; storages keep their Python object for as long as
+# they live, and a weak key dictionary forgets the dead ones.
+_KEYS: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = weakref.WeakKeyDictionary()
+_SERIALS = itertools.count(1)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """A number for ``tensor``'s storage that no other storage ever gets (NOTE [ Storage keys
+    ]). Raises for a tensor without a storage (see :func:`storage_of`).
+
+    Example:
+        >>> x = torch.ones(4)
+        >>> storage_key(x) == storage_key(x[1:]), storage_key(x) == storage_key(x.clone())
+        (True, False)
+    """
+    storage = tensor.untyped_storage()
+    key = _KEYS.get(storage)
+    if key is None:
+        key = _KEYS[storage] = next(_SERIALS)
+    return key
+
+
+def storage_key_or_none(tensor: torch.Tensor) -> int | None:
+    """:func:`storage_key`, or None for a tensor without a storage (sparse, nested, wrapper
+    subclasses), which code that watches any user's model meets."""
+    return None if storage_of(tensor) is None else storage_key(tensor)
+
+
+class LiveStorages(Generic[T]):
+    """Storages known to be alive, each with a value of the caller's (its bytes, its serial);
+    an entry goes when its storage is freed, and ``on_free`` is told.
+
+    Storages keep their Python object for as long as they live (a view's
+    ``untyped_storage()`` *is* its base's), and the object is destroyed together with the
+    memory, so a weak reference's callback fires exactly when the memory is released. The
+    object's ``id`` names it meanwhile: CPython clears weak references before it frees an
+    object, so the entry is gone before the ``id`` can be reused.
+    """
+
+    def __init__(self, on_free: Callable[[T], None] | None = None) -> None:
+        self._on_free = on_free
+        self._values: dict[int, T] = {}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, storage: torch.UntypedStorage) -> T | None:
+        """The value of ``storage``, or None when it is not known."""
+        return self._values.get(id(storage))
+
+    def __contains__(self, storage: torch.UntypedStorage) -> bool:
+        return id(storage) in self._values
+
+    def add(self, storage: torch.UntypedStorage, value: T) -> None:
+        """Remember ``storage`` with ``value`` until it is freed (or replace its value)."""
+        key = id(storage)
+        self._values[key] = value
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
+
+    def pop(self, storage: torch.UntypedStorage) -> T | None:
+        """Forget ``storage`` without telling ``on_free``; its value, or None."""
+        key = id(storage)
+        self._refs.pop(key, None)
+        return self._values.pop(key, None)
+
+    def clear(self) -> None:
+        """Forget every storage; dropping the weak references cancels their callbacks."""
+        self._refs.clear()
+        self._values.clear()
+
+    def _freed(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        if self._refs.get(key) is not ref:
+            return
+        del self._refs[key]
+        value = self._values.pop(key)
+        if self._on_free is not None:
+            self._on_free(value)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+_RUNNING_STATS = ("running_mean", "running_var")
+
+
+@functools.cache
+def _running_stat_positions(func: Any) -> tuple[int, tuple[int, ...]] | None:
+    """``(position of training, positions of running stats)`` for an op that takes running
+    statistics and a ``training`` flag but does not mark them written in its schema."""
+    arguments = func._schema.arguments
+    names = [a.name for a in arguments]
+    if "training" not in names:
+        return None
+    stats = tuple(
+        i for i, a in enumerate(arguments)
+        if a.name in _RUNNING_STATS and not (a.alias_info is not None and a.alias_info.is_write)
+    )
+    return (names.index("training"), stats) if stats else None
+
+
+@dataclass(frozen=True)
+class Op:
+    """One ATen op, as :class:`OpWatch` hands it to its observer.
+
+    It holds the op's arguments: an observer reads what it needs and keeps none of it, or
+    the tensors would live longer than the code watched lets them.
+    """
+
+    index: int
+    """Its number among the ops the watch saw, from 1."""
+    func: torch._ops.OpOverload
+    """The overload that runs."""
+    args: tuple[Any, ...]
+    """Its positional arguments."""
+    kwargs: dict[str, Any]
+    """Its keyword arguments."""
+
+    @property
+    def name(self) -> str:
+        """The op's name without overload, e.g. ``"bernoulli_"``."""
+        return self.func.overloadpacket.__name__
+
+    @property
+    def random(self) -> bool:
+        """Whether it consumes the random number generator."""
+        return torch.Tag.nondeterministic_seeded in self.func.tags
+
+    def argument(self, position: int) -> Any:
+        """The value of the schema's argument at ``position``, given by position or name."""
+        if position < len(self.args):
+            return self.args[position]
+        return self.kwargs.get(self.func._schema.arguments[position].name)
+
+    def inputs(self) -> list[torch.Tensor]:
+        """The tensors among its arguments, in the order of its schema."""
+        return [t for i in range(len(self.func._schema.arguments))
+                for t in tensors(self.argument(i))]
+
+    def written(self) -> list[torch.Tensor]:
+        """The tensors it writes in place, in the order of its arguments.
+
+        Writes are read off the schema (``Tensor(a!)`` arguments), which also catches
+        BatchNorm's running statistics on fake tensors, whose kernels do not bump version
+        counters. Some batch-norm ops update ``running_mean`` and ``running_var`` in training
+        without saying so in their schema (``native_batch_norm``, ``cudnn_batch_norm``,
+        ``miopen_batch_norm``, the op ``F.batch_norm`` reaches on CPU): those are added when
+        ``training`` is True.
+        """
+        found: list[torch.Tensor] = []
+        for i, arg in enumerate(self.func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                found += tensors(self.argument(i))
+        positions = _running_stat_positions(self.func)
+        if positions is not None and self.argument(positions[0]) is True:
+            found += [t for i in positions[1] for t in tensors(self.argument(i))]
+        return found
+
+
+class OpObserver:
+    """What :class:`OpWatch` tells about each op; override the methods needed."""
+
+    def before_op(self, op: Op) -> None:
+        """Called before ``op`` runs."""
+
+    def after_op(self, op: Op, out: Any) -> None:
+        """Called after ``op`` ran and returned ``out`` (which the observer may adjust in
+        place, as the profile does for fake results whose storage is too small)."""
+
+
+class OpWatch(TorchDispatchMode):
+    """The dispatch mode through which autockpt watches code run: every ATen op that runs while
+    it is active, in forward and in backward (the autograd engine reinstalls the thread's mode
+    stack on the thread that runs backward, recomputations included), goes to ``observer``
+    before and after it runs.
+
+    Attributes:
+        count: how many ops it has seen; the op running now is number ``count``.
+    """
+
+    def __init__(self, observer: OpObserver) -> None:
+        super().__init__()
+        self.observer = observer
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        op = Op(self.count, func, args, kwargs or {})
+        self.observer.before_op(op)
+        out = func(*args, **op.kwargs)
+        self.observer.after_op(op, out)
+        return out
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return flop_formulas.sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any,
+                                  *args: Any, **kwargs: Any) -> int:
+    return flop_formulas.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def flop_counter() -> FlopCounterMode:
+    """A :class:`~torch.utils.flop_counter.FlopCounterMode` that also counts the CPU kernel
+    of ``scaled_dot_product_attention``, which torch's own table leaves at zero (its CUDA
+    kernels are counted). Without it attention would look free to recompute on CPU.
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> with flop_counter() as counter:
+        ...     _ = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        >>> counter.get_total_flops()
+        2048
+    """
+    aten = torch.ops.aten
+    mapping: dict[Any, Any] = {}
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_attention_flops),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_attention_backward_flops),
+    ):
+        op = getattr(aten, name, None)
+        if op is not None and op not in flop_formulas.flop_registry:
+            mapping[op] = formula
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+# --------------------------------------------------------------------------- state
+
+
+class _Holder(torch.nn.Module):
+    """``gm`` as a child, so that ``functional_call`` swaps its state for ``run``'s call."""
+
+    def __init__(self, gm: fx.GraphModule, run: Callable[..., Any]) -> None:
+        super().__init__()
+        self.gm = gm
+        self._run = run
+
+    def forward(self, *args: Any) -> Any:
+        return self._run(*args)
+
+
+def run_with_state(gm: fx.GraphModule, state: Mapping[str, torch.Tensor],
+                   run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``run(*args)`` with ``gm``'s parameters and buffers named in ``state`` replaced for the
+    call (``torch.func.functional_call``), and put back afterwards: fake copies for the
+    profile, clones of the buffers for timing. ``run`` is typically an interpreter's ``run``
+    over ``gm``.
+
+    Example:
+        >>> net = fx.symbolic_trace(torch.nn.Linear(2, 2, bias=False))
+        >>> run_with_state(net, {"weight": torch.eye(2)}, net, (torch.ones(1, 2),))
+        tensor([[1., 1.]])
+    """
+    return torch.func.functional_call(_Holder(gm, run), {f"gm.{k}": v for k, v in state.items()},
+                                      args, strict=False)
