@@ -81,11 +81,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from torch.utils.checkpoint import checkpoint
 
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs, flop_counter
+from autockpt.runner import CheckpointedForward, SegmentRun, needs_dummy, run_checkpointed
 from autockpt.stats import NodeStat, Profile, StorageStat, assume_loss
 from autockpt.trace import base_class, generated_subclass, shallow_view
 
@@ -902,23 +902,9 @@ class BlockSpec:
     """Whether it has parameters that require grad."""
 
 
-def _swap_in_clones(block: nn.Module, buffers: Sequence[str]
-                    ) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
-    """See NOTE [ Recompute must not update buffers twice ] in :mod:`autockpt.runtime`."""
-    slots = []
-    for qualname in buffers:
-        owner_path, _, name = qualname.rpartition(".")
-        owner = block.get_submodule(owner_path)
-        original = owner._buffers.get(name)
-        slots.append((owner, name, original))
-        if original is not None:
-            owner._buffers[name] = original.clone()
-    return slots
-
-
 def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
-    """Run ``block``'s own forward under checkpoint.
+    """Run ``block``'s own forward under checkpoint (:func:`autockpt.runner.run_checkpointed`).
 
     Checkpoint is handed the tensors of the call only, flattened: reentrant checkpoint
     takes no keyword arguments and gives gradients only to top-level tensor arguments and
@@ -931,70 +917,39 @@ def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
     if not spec.trainable and not any(t.requires_grad for t in tensors):
         return base_forward(block, *args, **kwargs)  # no gradient flows: nothing to save
     first: dict[str, Any] = {}
-    calls = 0
 
     def fn(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        nonlocal calls
-        calls += 1
         values = list(leaves)
         for i, t in zip(slots, flat):
             values[i] = t
         call_args, call_kwargs = tree_unflatten(values, tree)
-        swapped = _swap_in_clones(block, spec.buffers) if calls > 1 else []
-        try:
-            out = base_forward(block, *call_args, **call_kwargs)
-        finally:
-            for owner, name, original in swapped:
-                owner._buffers[name] = original
-        out_leaves, out_tree = tree_flatten(out)
-        if calls == 1:
+        out_leaves, out_tree = tree_flatten(base_forward(block, *call_args, **call_kwargs))
+        if not first:
             first["leaves"], first["tree"] = out_leaves, out_tree
         return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
 
-    if spec.mode == "reentrant":
-        if spec.trainable and not any(t.requires_grad for t in tensors):
-            # Without an input that requires grad, reentrant checkpoint would give the
-            # block's parameters no gradient.
-            device = tensors[0].device if tensors else next(block.parameters()).device
-            dummy = torch.empty((), device=device, requires_grad=True)
-            result = checkpoint(lambda _dummy, *flat: fn(*flat), dummy, *tensors,
-                                use_reentrant=True, preserve_rng_state=spec.preserve_rng)
-        else:
-            result = checkpoint(fn, *tensors, use_reentrant=True,
-                                preserve_rng_state=spec.preserve_rng)
-    else:
-        result = checkpoint(fn, *tensors, use_reentrant=False,
-                            preserve_rng_state=spec.preserve_rng)
+    run = SegmentRun(module=block, segment=None, block=spec.qualname, mode=spec.mode,
+                     dummy_arg=needs_dummy(spec.mode, spec.trainable, tensors))
+    result = run_checkpointed(run, fn, tensors, preserve_rng=spec.preserve_rng,
+                              buffers=spec.buffers)
     outputs = iter(result)
     rebuilt = [next(outputs) if isinstance(v, torch.Tensor) else v for v in first["leaves"]]
     return tree_unflatten(rebuilt, first["tree"])
 
 
-class _BlockMixin:
+class _BlockMixin(CheckpointedForward):
     """Methods added to a block's class in the twin: only ``forward`` changes."""
 
-    _autockpt_base: type[nn.Module]
+    def _autockpt_how(self) -> BlockSpec | None:
+        return self.__dict__.get("_autockpt_block")
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        spec: BlockSpec | None = self.__dict__.get("_autockpt_block")
-        module: nn.Module = self  # type: ignore[assignment]
-        # Eval and no_grad need no checkpoint: the block's own forward, untouched.
-        if spec is None or not module.training or not torch.is_grad_enabled():
-            return self._autockpt_base.forward(module, *args, **kwargs)
-        return _run_block(module, spec, args, kwargs)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # The generated class cannot be pickled by name: rebuild it from the user's class.
-        return (_rebuild_block, (self._autockpt_base,), self.__dict__.copy())
+    def _autockpt_forward(self, how: BlockSpec, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> Any:
+        return _run_block(self, how, args, kwargs)  # type: ignore[arg-type]
 
 
 def _block_class(base: type[nn.Module]) -> type[nn.Module]:
     return generated_subclass(_BlockMixin, base)
-
-
-def _rebuild_block(base: type[nn.Module]) -> nn.Module:
-    cls = _block_class(base)
-    return cls.__new__(cls)
 
 
 def _replace_child(parent: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:

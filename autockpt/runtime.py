@@ -5,23 +5,15 @@ by :func:`checkpointed_class`, whose ``__dict__`` is a shallow copy of the origi
 result *is a* ``MyNet``, holds the very same submodules and Parameter objects, and has the same
 ``state_dict()`` keys; its methods other than ``forward`` are the user's.
 
-# NOTE [ Recompute must not update buffers twice ]
-Checkpoint recomputes a segment's forward in backward. A BatchNorm in train mode would update
-its running statistics (and ``num_batches_tracked``) a second time (pytorch/pytorch#96136, both
-modes). The segment function counts its calls per checkpoint invocation: the first is the real
-forward; on any later call (the recompute) it swaps in clones of the buffers the profiler saw
-being updated in that segment, so that the recompute updates the clones, and puts the
-originals back afterwards, also when a non-reentrant recompute stops early by raising.
-
-# NOTE [ RNG only where needed ]
-``preserve_rng_state=True`` stashes and restores the CPU and CUDA RNG states around every
-recompute. It is needed for dropout to drop the same elements twice, and costs time, so it is
-only asked for in segments where the profiler saw an op that consumes the RNG.
+Each checkpointed segment runs through :func:`autockpt.runner.run_checkpointed`, the runner the
+modules rung shares (NOTE [ Recompute must not update buffers twice ] and NOTE [ RNG only where
+needed ] there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections import OrderedDict
@@ -31,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from autockpt import modules
 from autockpt.capture import NoGraph, capture
@@ -43,6 +34,7 @@ from autockpt.stats import LOSS_OP
 from autockpt.units import format_bytes
 from autockpt.profile import profile
 from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
+from autockpt.runner import CheckpointedForward, SegmentRun, needs_dummy, run_checkpointed
 from autockpt.timing import time_nodes
 from autockpt.trace import TracedModel, base_class, bind_inputs, generated_subclass
 
@@ -417,69 +409,16 @@ def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
 # --------------------------------------------------------------------------- running a segment
 
 
-def _guarded(module: nn.Module, program: SegmentProgram) -> Callable[..., Any]:
-    """The segment's function for one checkpoint call; see NOTE [ Recompute must not update
-    buffers twice ]."""
-    buffers = program.segment.buffers
-    calls = 0
-
-    def run(*inputs: Any) -> Any:
-        nonlocal calls
-        if torch.compiler.is_compiling():
-            # Under torch.compile the segment is traced once into checkpoint's higher-order
-            # op and the recompute is done by the compiled backward, never by calling this
-            # function again, so there is no second call to guard. Counting here would be a
-            # side effect outside the op, which makes dynamo graph-break and run every
-            # checkpointed segment uncompiled.
-            return program.fn(module, *inputs)
-        calls += 1
-        if calls == 1 or not buffers:
-            return program.fn(module, *inputs)
-        # The recompute updates clones; the real buffers keep the values (and the version
-        # counters) the forward left. Copying values back instead would bump the version of a
-        # buffer the recomputed graph saved, and backward would refuse to run.
-        slots = []
-        for qualname in buffers:
-            owner_path, _, name = qualname.rpartition(".")
-            owner = module.get_submodule(owner_path)
-            original = owner._buffers[name]
-            slots.append((owner, name, original))
-            if original is not None:
-                owner._buffers[name] = original.clone()
-        try:
-            return program.fn(module, *inputs)
-        finally:
-            for owner, name, original in slots:
-                owner._buffers[name] = original
-
-    return run
-
-
-def _drop_first(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def run(_dummy: torch.Tensor, *inputs: Any) -> Any:
-        return fn(*inputs)
-
-    return run
-
-
 def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: tuple[Any, ...]
                 ) -> Any:
-    """Run one segment under ``torch.utils.checkpoint.checkpoint``."""
+    """Run one compiled segment of ``module`` under checkpoint (:mod:`autockpt.runner`)."""
     if not torch.is_grad_enabled():
         return program.fn(module, *inputs)
-    fn = _guarded(module, program)
-    preserve = program.segment.preserve_rng
-    if mode == "reentrant":
-        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-        if program.trainable and not any(t.requires_grad for t in tensors):
-            # Reentrant checkpoint only gives gradients when an input requires grad: without
-            # this dummy the segment's parameters would silently get none.
-            device = tensors[0].device if tensors else torch.device("cpu")
-            dummy = torch.empty((), device=device, requires_grad=True)
-            return checkpoint(_drop_first(fn), dummy, *inputs, use_reentrant=True,
-                              preserve_rng_state=preserve)
-        return checkpoint(fn, *inputs, use_reentrant=True, preserve_rng_state=preserve)
-    return checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=preserve)
+    segment = program.segment
+    run = SegmentRun(module=module, segment=segment, block="", mode=mode,
+                     dummy_arg=needs_dummy(mode, program.trainable, inputs))
+    return run_checkpointed(run, functools.partial(program.fn, module), inputs,
+                            preserve_rng=segment.preserve_rng, buffers=segment.buffers)
 
 
 # --------------------------------------------------------------------------- the class
@@ -501,24 +440,22 @@ def _warn_if_accumulating(module: nn.Module, state: RuntimeState) -> None:
         "a temporary added into it, which the plan did not count: the budget may not hold. "
         "Fix: pass grad_accumulation=True to autockpt.apply, or call "
         "optimizer.zero_grad(set_to_none=True) between steps",
-        BudgetWarning, stacklevel=5,
+        BudgetWarning, stacklevel=6,
     )
 
 
-class _CheckpointedMixin:
+class _CheckpointedMixin(CheckpointedForward):
     """Methods added to the user's class. Only ``forward`` changes behaviour."""
 
-    _autockpt_base: type[nn.Module]
+    def _autockpt_how(self) -> RuntimeState | None:
+        return self.__dict__.get("_autockpt")
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state: RuntimeState | None = self.__dict__.get("_autockpt")
+    def _autockpt_forward(self, how: RuntimeState, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> Any:
         module: nn.Module = self  # type: ignore[assignment]
-        # Eval and no_grad need no checkpoint: run the user's own forward, untouched.
-        if state is None or not module.training or not torch.is_grad_enabled():
-            return self._autockpt_base.forward(module, *args, **kwargs)
-        if not state.checked_grads:
-            _warn_if_accumulating(module, state)
-        variant, arguments = state.variant_for(module, args, kwargs)
+        if not how.checked_grads:
+            _warn_if_accumulating(module, how)
+        variant, arguments = how.variant_for(module, args, kwargs)
         return variant.run(module, args, kwargs, arguments)
 
     def _autockpt_run(self, variant_id: int, index: int, *inputs: Any) -> Any:
@@ -527,19 +464,10 @@ class _CheckpointedMixin:
         assert program is not None
         return run_segment(self, program.segments[index], state.config.mode, inputs)  # type: ignore[arg-type]
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # The generated class cannot be pickled by name: rebuild it from the user's class.
-        return (_rebuild, (self._autockpt_base,), self.__dict__.copy())
-
 
 def checkpointed_class(base: type[nn.Module]) -> type[nn.Module]:
     """The subclass of ``base`` that transformed modules have (made once per class)."""
     return generated_subclass(_CheckpointedMixin, base)
-
-
-def _rebuild(base: type[nn.Module]) -> nn.Module:
-    cls = checkpointed_class(base)
-    return cls.__new__(cls)
 
 
 def make_checkpointed(module: nn.Module, config: ApplyConfig) -> nn.Module:
