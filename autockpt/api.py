@@ -1,7 +1,8 @@
 """The public entry points: ``apply``, ``plan`` and ``plan_of``.
 
-They validate arguments, run the stages (trace, profile, plan, rewrite) and re-raise what goes
-wrong inside with the user's context: the model, the inputs, the budget, and the fix.
+They validate arguments, run the stages (:mod:`autockpt.pipeline`: capture, profile, plan,
+compile) and re-raise what goes wrong inside with the user's context: the model, the inputs,
+the budget, and the fix.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.loss import LossFn, check_loss_fn
 from autockpt.planner import MODES, STRATEGIES, Plan
 from autockpt.timing import COSTS
-from autockpt.runtime import ApplyConfig, is_checkpointed, make_any_plan, make_checkpointed
+from autockpt.pipeline import ApplyConfig, make_any_plan
+from autockpt.runtime import is_checkpointed, make_checkpointed
 from autockpt.trace import base_class
 
 __all__ = ["apply", "plan", "plan_of"]

@@ -4,7 +4,8 @@ The graph runs once under ``FakeTensorMode``, node by node, with fake copies of 
 parameters and buffers swapped in (``torch.func.functional_call``): shapes, dtypes and autograd
 behave as for real, but no memory is allocated and no real tensor, buffer or RNG stream is
 touched. For each node the pass records the facts the planner needs (see
-:class:`autockpt.stats.NodeStat`) and writes them into ``node.meta["autockpt"]``.
+:class:`autockpt.stats.NodeStat`) and returns them, in graph order, in a
+:class:`~autockpt.stats.Profile`; the graph itself is left as it was.
 
 # NOTE [ Which bytes are saved for backward ]
 A ``saved_tensors_hooks`` pack hook sees every tensor autograd saves while a node runs. Tensors
@@ -542,7 +543,6 @@ class _ProfileRunner(torch.nn.Module):
                     accumulate_backward_bytes=(accumulate if backward and accumulate != backward[0]
                                                else None),
                 )
-                node.meta["autockpt"] = stat
                 self._stats.append(stat)
 
     def _loss_node(self, node: fx.Node, index: int, interpreter: fx.Interpreter,

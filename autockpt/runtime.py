@@ -1,9 +1,12 @@
-"""What a transformed module runs: its class, its per-instance state and the checkpoint call.
+"""What a transformed module runs: its class, its per-instance state and its segments.
 
 ``autockpt.apply`` returns an object of a subclass of the user's own class, made once per class
 by :func:`checkpointed_class`, whose ``__dict__`` is a shallow copy of the original's. So the
 result *is a* ``MyNet``, holds the very same submodules and Parameter objects, and has the same
 ``state_dict()`` keys; its methods other than ``forward`` are the user's.
+
+At the first training forward with a new input signature the stages run
+(:func:`autockpt.pipeline.build`); the state keeps what they return, per signature, and runs it.
 
 Each checkpointed segment runs through :func:`autockpt.runner.run_checkpointed`, the runner the
 modules rung shares (NOTE [ Recompute must not update buffers twice ] and NOTE [ RNG only where
@@ -12,74 +15,36 @@ needed ] there).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from autockpt import modules
-from autockpt.capture import NoGraph, capture
-from autockpt.budget import DeviceBudget, device_budget
-from autockpt.errors import AutockptError, BudgetWarning, InfeasibleBudgetError, InvalidArgumentError
-from autockpt.loss import LossFn
-from autockpt.planner import Plan, make_plan
-from autockpt.stats import LOSS_OP
-from autockpt.units import format_bytes
-from autockpt.profile import profile
-from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
+from autockpt import modules, pipeline
+from autockpt.errors import BudgetWarning
+from autockpt.pipeline import ApplyConfig, BlockPlan
+from autockpt.planner import Plan
+from autockpt.rewrite import Program, SegmentProgram
 from autockpt.runner import CheckpointedForward, SegmentRun, needs_dummy, run_checkpointed
-from autockpt.timing import time_nodes
-from autockpt.trace import TracedModel, base_class, bind_inputs, generated_subclass
+from autockpt.trace import base_class, bind_inputs, generated_subclass, shallow_view
 
 __all__ = [
-    "ApplyConfig",
     "RuntimeState",
     "checkpointed_class",
     "make_checkpointed",
     "is_checkpointed",
-    "make_any_plan",
-    "plan_blocks",
-    "plan_graph",
     "run_segment",
+    "signature_key",
 ]
 
 MAX_VARIANTS = 8
 """How many input signatures a module keeps plans for before forgetting the oldest."""
-
-
-@dataclass(frozen=True)
-class ApplyConfig:
-    """What ``apply`` was asked for; the same for every input size."""
-
-    budget_bytes: int | None
-    """Peak activation bytes allowed; ``None`` for the least reachable."""
-    mode: str
-    """``"non_reentrant"`` or ``"reentrant"``."""
-    strategy: str
-    """Name of the planning strategy."""
-    fixed_plan: Plan | None = None
-    """A plan given by the user: applied as it is to every input size."""
-    capture: str = "auto"
-    """How to capture the forward (see :data:`autockpt.capture.CAPTURES`)."""
-    cost: str = "flops"
-    """The recompute cost model (see :data:`autockpt.timing.COSTS`)."""
-    loss_fn: LossFn | None = None
-    """The user's loss, priced with the model (NOTE [ The loss node ] in
-    :mod:`autockpt.profile`); ``None``: the default (NOTE [ The default loss ])."""
-    grad_accumulation: bool = False
-    """Plan for steps in which the parameters' ``.grad`` already exists."""
-    total_bytes: int | None = None
-    """A budget for the whole device; the activation budget is what the step's fixed memory
-    leaves of it (:func:`autockpt.budget.device_budget`)."""
-    optimizer: Any = None
-    """The optimizer whose state ``total_bytes`` counts."""
 
 
 @dataclass
@@ -182,26 +147,17 @@ class RuntimeState:
         key: tuple[Any, ...],
         known: Plan | None,
     ) -> _Variant:
-        plan = known if known is not None else self.config.fixed_plan
-        # A given plan is re-applied to a graph captured the way it was made.
-        method = plan.capture if plan is not None else self.config.capture
-        traced = capture(module, args, kwargs, method)
-        if isinstance(traced, NoGraph):
-            made, prof = plan_blocks(module, args, kwargs, traced.reason, self.config)
-            variant = _Variant(key=key, plan=plan if plan is not None else made, program=None,
-                               param_names=(), blocks=prof)
-            modules.blocks_of_plan(prof, variant.plan)  # a given plan must name these blocks
+        built = pipeline.build(module, args, kwargs, arguments, self.config, known,
+                               self._next_id)
+        if isinstance(built, BlockPlan):
+            variant = _Variant(key=key, plan=built.plan, program=None, param_names=(),
+                               blocks=built.profile)
             self._remember(key, variant)
             return variant
-        fingerprint = graph_fingerprint(traced.graph)
-        if plan is not None:
-            check_plan_fits(plan, traced, fingerprint)
-        else:
-            plan = plan_graph(module, traced, arguments, self.config)
         variant_id = self._next_id
         self._next_id += 1
-        program = compile_plan(module, traced, plan, variant_id)
-        variant = _Variant(key=key, plan=plan, program=program,
+        traced = built.planned.traced
+        variant = _Variant(key=key, plan=built.planned.plan, program=built.program,
                            param_names=traced.spec.param_names, flatten=traced.flatten,
                            unflatten=traced.unflatten)
         self.by_id[variant_id] = variant
@@ -213,170 +169,6 @@ class RuntimeState:
         while len(self.variants) > MAX_VARIANTS:
             _, old = self.variants.popitem(last=False)
             self.by_id = {i: v for i, v in self.by_id.items() if v is not old}
-
-
-def plan_blocks(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    reason: str,
-    config: ApplyConfig,
-) -> tuple[Plan, modules.ModuleProfile]:
-    """The ``"modules"`` rung: profile whole submodules with hooks and plan over them.
-
-    It has no graph to time node by node: ``cost="profile"`` plans by FLOPs here, and the
-    plan's notes say so. Nor does it run the loss with the model: it prices the gradient a
-    loss sends into the output as an output-sized one, and says so."""
-    from autockpt.trace import shallow_view
-
-    _refuse_caches(module, args, kwargs)
-    budget_bytes, device = resolve_budget(module, args, kwargs, config)
-    # The user's forward on the user's class, with the twin's block views running plainly.
-    view = shallow_view(module)
-    with modules.suspended(view), _whole_device(device):
-        plan, prof = modules.build(view, args, kwargs, budget_bytes=budget_bytes,
-                                   mode=config.mode, strategy=config.strategy,
-                                   grad_accumulation=config.grad_accumulation)
-    notes = plan.notes
-    if config.cost != "flops":
-        notes += (f"cost={config.cost!r} needs a graph to time; the modules rung planned by "
-                  "FLOPs",)
-    if config.loss_fn is not None:
-        notes += ("the modules rung cannot run loss_fn with the model: it priced an "
-                  "output-sized gradient for each output instead",)
-    return replace(plan, model=base_class(module).__name__, capture="modules",
-                   capture_reason=reason, notes=notes, device=device), prof
-
-
-def resolve_budget(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   config: ApplyConfig) -> tuple[int | None, DeviceBudget | None]:
-    """The activation budget for these inputs: ``budget_bytes``, or what the step's fixed
-    memory leaves of ``total_bytes``."""
-    if config.total_bytes is None:
-        return config.budget_bytes, None
-    device = device_budget(module, (args, kwargs), config.total_bytes, config.optimizer,
-                           subject=base_class(module).__name__)
-    return device.activation_budget_bytes, device
-
-
-@contextlib.contextmanager
-def _whole_device(device: DeviceBudget | None) -> Iterator[None]:
-    """Say what an activation budget that does not fit means for the whole device."""
-    try:
-        yield
-    except InfeasibleBudgetError as err:
-        if device is None:
-            raise
-        least = device.fixed_bytes + err.min_feasible_bytes
-        raise InfeasibleBudgetError(
-            f"the step needs at least {format_bytes(least)} of total_mb "
-            f"({format_bytes(device.total_bytes)}): {format_bytes(device.fixed_bytes)} fixed "
-            f"(parameters {format_bytes(device.parameter_bytes)}, gradients "
-            f"{format_bytes(device.gradient_bytes)}, {device.optimizer} state "
-            f"{format_bytes(device.optimizer_state_bytes)}, inputs "
-            f"{format_bytes(device.input_bytes)}) and {format_bytes(err.min_feasible_bytes)} "
-            f"of activations at the least",
-            budget_bytes=device.total_bytes, min_feasible_bytes=least,
-            fix=f"pass total_mb={-(-least * 100 // 2**20) / 100} or more, or use a smaller "
-            "batch",
-        ) from err
-
-
-def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A block that appends to a key/value cache would append twice when it is recomputed:
-    the gradients stay right but the cache the model returns is wrong, silently. Hugging
-    Face turns the cache off when it checkpoints; here the user must."""
-    use_cache = bind_inputs(module, args, kwargs).get("use_cache")
-    config = getattr(module, "config", None)
-    if use_cache is None and config is not None:
-        use_cache = getattr(config, "use_cache", None)
-    if use_cache is True:
-        raise InvalidArgumentError(
-            f"{base_class(module).__name__} is called with use_cache=True: checkpointing its "
-            "blocks would add every key/value to the cache twice when they are recomputed",
-            fix="pass use_cache=False in the training batch (or set model.config.use_cache = "
-            "False); torch.export can then capture the model too",
-        )
-
-
-def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  config: ApplyConfig) -> Plan:
-    """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
-    does)."""
-    traced = capture(module, args, kwargs, config.capture)
-    if isinstance(traced, NoGraph):
-        return plan_blocks(module, args, kwargs, traced.reason, config)[0]
-    return plan_graph(module, traced, bind_inputs(module, args, kwargs), config)
-
-
-def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any],
-               config: ApplyConfig) -> Plan:
-    """Profile a captured graph and the loss on fake tensors and plan it (what
-    :func:`autockpt.plan` and the first training forward of a transformed module both do).
-    With ``cost="profile"`` the nodes are also timed on the real device and the planner
-    weighs recompute by time."""
-    budget_bytes, device = resolve_budget(module, (), arguments, config)
-    inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
-    stats = profile(traced, inputs, loss_fn=config.loss_fn)
-    if config.cost == "profile":
-        times = iter(time_nodes(traced, inputs))
-        # The loss node is the user's code, never recomputed: it needs no time.
-        stats = replace(stats, nodes=tuple(
-            replace(node, time_ns=0 if node.op == LOSS_OP else next(times))
-            for node in stats.nodes))
-    with _whole_device(device):
-        plan = make_plan(stats, budget_bytes, strategy=config.strategy, mode=config.mode,
-                         model=base_class(module).__name__,
-                         grad_accumulation=config.grad_accumulation)
-    return replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
-                   capture=traced.capture, capture_reason=traced.capture_reason,
-                   cost_model=config.cost, device=device)
-
-
-def check_plan_fits(plan: Plan, traced: TracedModel, fingerprint: str) -> None:
-    """Raise if ``plan`` was made for a different graph than ``traced``."""
-    count = len(traced.graph.nodes)
-    if plan.node_count != count or (plan.graph_fingerprint and plan.graph_fingerprint != fingerprint):
-        raise AutockptError(
-            f"the plan was made for a different graph ({plan.model}, {plan.node_count} nodes, "
-            f"fingerprint {plan.graph_fingerprint or '?'}) than this model traces to "
-            f"({count} nodes, fingerprint {fingerprint})",
-            fix="make the plan with autockpt.plan() on this model, with inputs that take the "
-            "same branches (None arguments and flags must match)",
-        )
-
-
-def compile_plan(module: nn.Module, traced: TracedModel, plan: Plan, variant_id: int) -> Program:
-    """Compile ``plan`` for ``traced`` and attach the tracer's tensor constants to ``module``."""
-    constant_names = {}
-    for i, (name, value) in enumerate(sorted(traced.constants.items())):
-        new_name = f"_autockpt_const_{variant_id}_{i}"
-        constant_names[name] = new_name
-        module.__dict__[new_name] = value
-    trainable = []
-    for node in traced.graph.nodes:
-        stat = node.meta.get("autockpt")
-        if stat is not None:
-            trainable.append(stat.trainable)
-        elif node.op == "call_module":
-            sub = traced.graph_module.get_submodule(str(node.target))
-            trainable.append(any(p.requires_grad for p in sub.parameters()))
-        else:
-            trainable.append(
-                any(
-                    a.op == "get_attr" and getattr(_fetch(traced, a.target), "requires_grad", False)
-                    for a in node.all_input_nodes
-                )
-            )
-    return rewrite(traced.graph, plan, variant_id, trainable=trainable,
-                   constant_names=constant_names)
-
-
-def _fetch(traced: TracedModel, target: Any) -> Any:
-    obj: Any = traced.graph_module
-    for atom in str(target).split("."):
-        obj = getattr(obj, atom)
-    return obj
 
 
 def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
@@ -472,8 +264,6 @@ def checkpointed_class(base: type[nn.Module]) -> type[nn.Module]:
 
 def make_checkpointed(module: nn.Module, config: ApplyConfig) -> nn.Module:
     """A transformed twin of ``module`` sharing its submodules, parameters and buffers."""
-    from autockpt.trace import shallow_view
-
     twin = shallow_view(module, checkpointed_class(base_class(module)))
     for name in [k for k in twin.__dict__ if k.startswith("_autockpt_const_")]:
         del twin.__dict__[name]
