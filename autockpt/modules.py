@@ -85,7 +85,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs, flop_counter
-from autockpt.runner import CheckpointedForward, SegmentRun, needs_dummy, run_checkpointed
+from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
 from autockpt.stats import NodeStat, Profile, StorageStat, assume_loss
 from autockpt.trace import base_class, generated_subclass, shallow_view
 
@@ -819,9 +819,7 @@ def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str
                 f"internal error: a segment of the module-level plan covers glue "
                 f"({seg.first_node} .. {seg.last_node})",
                 fix="please report this with the model; pass strategy='sqrt' meanwhile")
-        dummy = mode == "reentrant" and any(
-            prof.call(prof.blocks[k]).trainable and not prof.block_inputs_grad[k]
-            for k in members)
+        dummy = any(_needs_dummy(prof, k, mode) for k in members)
         segments.append(replace(seg, dummy_arg=dummy))
     skipped = []
     for seg in plan.skipped:
@@ -833,6 +831,13 @@ def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str
                             .encode()).hexdigest()[:16]
     return replace(plan, segments=tuple(segments), skipped=tuple(skipped),
                    graph_fingerprint=digest, notes=plan.notes + prof.notes)
+
+
+def _needs_dummy(prof: ModuleProfile, block: int, mode: str) -> bool:
+    """Whether block number ``block`` of ``prof`` gets the reentrant dummy argument: it has
+    trainable parameters and no tensor argument that requires grad."""
+    return (mode == "reentrant" and prof.call(prof.blocks[block]).trainable
+            and not prof.block_inputs_grad[block])
 
 
 def blocks_of_plan(prof: ModuleProfile, plan: Plan) -> tuple[str, ...]:
@@ -900,6 +905,12 @@ class BlockSpec:
     """Buffers it updates, relative to the block: cloned during the recompute."""
     trainable: bool
     """Whether it has parameters that require grad."""
+    dummy_arg: bool
+    """Whether it gets the reentrant dummy argument (NOTE [ The dummy argument ] in
+    :mod:`autockpt.runner`): decided from the profile, see :func:`_needs_dummy`."""
+    carries_grad: bool
+    """Whether gradient flows through it (trainable parameters, or a tensor argument that
+    requires grad); one without runs plainly, as checkpoint would save nothing."""
 
 
 def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
@@ -911,11 +922,11 @@ def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
     outputs. Everything else (flags, ``None``, caches) is bound in the closure, and the
     output's structure is rebuilt from the first call."""
     base_forward = block._autockpt_base.forward  # type: ignore[attr-defined]
+    if not spec.carries_grad:
+        return base_forward(block, *args, **kwargs)
     leaves, tree = tree_flatten((args, kwargs))
     slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     tensors = tuple(leaves[i] for i in slots)
-    if not spec.trainable and not any(t.requires_grad for t in tensors):
-        return base_forward(block, *args, **kwargs)  # no gradient flows: nothing to save
     first: dict[str, Any] = {}
 
     def fn(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -929,7 +940,7 @@ def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
         return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
 
     run = SegmentRun(module=block, segment=None, block=spec.qualname, mode=spec.mode,
-                     dummy_arg=needs_dummy(spec.mode, spec.trainable, tensors))
+                     dummy_arg=spec.dummy_arg)
     result = run_checkpointed(run, fn, tensors, preserve_rng=spec.preserve_rng,
                               buffers=spec.buffers)
     outputs = iter(result)
@@ -1022,6 +1033,7 @@ def install(twin: nn.Module, prof: ModuleProfile, plan_or_blocks: Plan | Sequenc
             sub.__dict__["_autockpt_block"] = None
     for qualname in chosen:
         record = prof.call(qualname)
+        number = prof.blocks.index(qualname)
         parent = twin
         atoms = qualname.split(".")
         for atom in atoms[:-1]:
@@ -1041,7 +1053,8 @@ def install(twin: nn.Module, prof: ModuleProfile, plan_or_blocks: Plan | Sequenc
             qualname=qualname, mode=mode, preserve_rng=record.random,
             buffers=tuple(b[len(prefix):] for b in record.mutated_buffers
                           if b.startswith(prefix)),
-            trainable=record.trainable)
+            trainable=record.trainable, dummy_arg=_needs_dummy(prof, number, mode),
+            carries_grad=record.trainable or prof.block_inputs_grad[number])
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from autockpt.loss import LossFn
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import profile
 from autockpt.rewrite import Program, graph_fingerprint, rewrite
-from autockpt.stats import LOSS_OP, Profile
+from autockpt.stats import LOSS_OP
 from autockpt.timing import time_nodes
 from autockpt.trace import TracedModel, base_class, bind_inputs, shallow_view
 from autockpt.units import format_bytes
@@ -87,9 +87,7 @@ class GraphPlan:
     traced: TracedModel
     """The captured graph the plan is for."""
     plan: Plan
-    """The plan."""
-    trainable: tuple[bool, ...]
-    """Per graph node, in graph order: whether it uses a parameter that requires grad."""
+    """The plan: its segments say how each runs (dummy argument, RNG replay, buffers)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +212,7 @@ def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any]
     plan = replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
                    capture=traced.capture, capture_reason=traced.capture_reason,
                    cost_model=config.cost, device=device)
-    return GraphPlan(traced, plan, _trainable(traced, stats))
+    return GraphPlan(traced, plan)
 
 
 def fit_plan(plan: Plan, traced: TracedModel) -> GraphPlan:
@@ -233,36 +231,7 @@ def fit_plan(plan: Plan, traced: TracedModel) -> GraphPlan:
             fix="make the plan with autockpt.plan() on this model, with inputs that take the "
             "same branches (None arguments and flags must match)",
         )
-    return GraphPlan(traced, plan, _trainable(traced, None))
-
-
-def _trainable(traced: TracedModel, stats: Profile | None) -> tuple[bool, ...]:
-    """Per graph node: whether it uses a parameter that requires grad. The profile says so
-    for the nodes it measured; a plan given by the user comes without one, and the graph's
-    modules and attributes are asked instead."""
-    measured = {node.name: node.trainable for node in stats.nodes} if stats is not None else {}
-    trainable = []
-    for node in traced.graph.nodes:
-        if node.name in measured:
-            trainable.append(measured[node.name])
-        elif node.op == "call_module":
-            sub = traced.graph_module.get_submodule(str(node.target))
-            trainable.append(any(p.requires_grad for p in sub.parameters()))
-        else:
-            trainable.append(
-                any(
-                    a.op == "get_attr" and getattr(_fetch(traced, a.target), "requires_grad", False)
-                    for a in node.all_input_nodes
-                )
-            )
-    return tuple(trainable)
-
-
-def _fetch(traced: TracedModel, target: Any) -> Any:
-    obj: Any = traced.graph_module
-    for atom in str(target).split("."):
-        obj = getattr(obj, atom)
-    return obj
+    return GraphPlan(traced, plan)
 
 
 def compile_plan(module: nn.Module, planned: GraphPlan, variant_id: int) -> Program:
@@ -273,8 +242,7 @@ def compile_plan(module: nn.Module, planned: GraphPlan, variant_id: int) -> Prog
         new_name = f"_autockpt_const_{variant_id}_{i}"
         constant_names[name] = new_name
         module.__dict__[new_name] = value
-    return rewrite(traced.graph, planned.plan, variant_id, trainable=planned.trainable,
-                   constant_names=constant_names)
+    return rewrite(traced.graph, planned.plan, variant_id, constant_names=constant_names)
 
 
 @dataclass(frozen=True)

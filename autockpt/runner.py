@@ -51,7 +51,8 @@ from torch.utils.checkpoint import checkpoint
 from autockpt.planner import Segment
 from autockpt.trace import generated_subclass
 
-__all__ = ["CheckpointedForward", "SegmentObserver", "SegmentRun", "needs_dummy", "observe_segments", "run_checkpointed"]
+__all__ = ["CheckpointedForward", "SegmentObserver", "SegmentRun", "observe_segments",
+           "run_checkpointed"]
 
 
 @dataclass(frozen=True)
@@ -167,13 +168,6 @@ def run_checkpointed(
     finally:
         for observer in observers:
             observer.segment_finished(run)
-
-
-def needs_dummy(mode: str, trainable: bool, inputs: Sequence[Any]) -> bool:
-    """Whether a segment run on ``inputs`` needs the dummy argument (NOTE [ The dummy
-    argument ])."""
-    return mode == "reentrant" and trainable and not any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
 
 
 def _guarded(run: SegmentRun, fn: Callable[..., Any], buffers: Sequence[str],

@@ -31,7 +31,7 @@ from autockpt.errors import BudgetWarning
 from autockpt.pipeline import ApplyConfig, BlockPlan
 from autockpt.planner import Plan
 from autockpt.rewrite import Program, SegmentProgram
-from autockpt.runner import CheckpointedForward, SegmentRun, needs_dummy, run_checkpointed
+from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
 from autockpt.trace import base_class, bind_inputs, generated_subclass, shallow_view
 
 __all__ = [
@@ -208,7 +208,7 @@ def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: t
         return program.fn(module, *inputs)
     segment = program.segment
     run = SegmentRun(module=module, segment=segment, block="", mode=mode,
-                     dummy_arg=needs_dummy(mode, program.trainable, inputs))
+                     dummy_arg=segment.dummy_arg)
     return run_checkpointed(run, functools.partial(program.fn, module), inputs,
                             preserve_rng=segment.preserve_rng, buffers=segment.buffers)
 
