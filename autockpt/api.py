@@ -111,13 +111,8 @@ def apply(
         TraceError: the model cannot be traced by torch.fx.
         InfeasibleBudgetError: the budget cannot be met; it says the least that can.
     """
-    _check_model(model)
-    budget_bytes = _budget_bytes(budget_mb)
-    _check_choice("mode", mode, MODES)
-    _check_choice("strategy", strategy, tuple(STRATEGIES))
-    _check_choice("capture", capture, CAPTURES)
-    _check_choice("cost", cost, COSTS)
-    step = _check_step(budget_mb, loss_fn, grad_accumulation, total_mb, optimizer)
+    budget_bytes, step = _check_common(model, budget_mb, mode, strategy, capture, cost, loss_fn,
+                                       grad_accumulation, total_mb, optimizer)
     if plan is not None and (total_mb is not None or loss_fn is not None or grad_accumulation):
         raise InvalidArgumentError(
             "a plan already fixes the segments: loss_fn, grad_accumulation and total_mb "
@@ -184,13 +179,8 @@ def plan(
     Raises:
         InvalidArgumentError, TraceError, InfeasibleBudgetError: as for :func:`apply`.
     """
-    _check_model(model)
-    budget_bytes = _budget_bytes(budget_mb)
-    _check_choice("mode", mode, MODES)
-    _check_choice("strategy", strategy, tuple(STRATEGIES))
-    _check_choice("capture", capture, CAPTURES)
-    _check_choice("cost", cost, COSTS)
-    step = _check_step(budget_mb, loss_fn, grad_accumulation, total_mb, optimizer)
+    budget_bytes, step = _check_common(model, budget_mb, mode, strategy, capture, cost, loss_fn,
+                                       grad_accumulation, total_mb, optimizer)
     if example_inputs is None and example_kwargs is None:
         raise InvalidArgumentError(
             "plan() needs example inputs: activation sizes depend on the input size",
@@ -236,6 +226,20 @@ def plan_of(module: nn.Module) -> Plan:
 
 
 # --------------------------------------------------------------------------- validation
+
+
+def _check_common(model: Any, budget_mb: Any, mode: Any, strategy: Any, capture: Any, cost: Any,
+                  loss_fn: Any, grad_accumulation: Any, total_mb: Any, optimizer: Any
+                  ) -> tuple[int | None, dict[str, Any]]:
+    """Validate what :func:`apply` and :func:`plan` both take, in the order the user reads
+    it; the activation budget in bytes and the step's :class:`ApplyConfig` fields."""
+    _check_model(model)
+    budget_bytes = _budget_bytes(budget_mb)
+    _check_choice("mode", mode, MODES)
+    _check_choice("strategy", strategy, tuple(STRATEGIES))
+    _check_choice("capture", capture, CAPTURES)
+    _check_choice("cost", cost, COSTS)
+    return budget_bytes, _check_step(budget_mb, loss_fn, grad_accumulation, total_mb, optimizer)
 
 
 def _check_model(model: Any) -> None:
