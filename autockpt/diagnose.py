@@ -56,10 +56,10 @@ The session observes the segments autockpt runs (NOTE [ Observing segments ] in
 ``autockpt.runner``): the runner announces each segment of a graph rung just before it calls
 checkpoint, so the next observed call is that segment's; its plan row names the segment, and
 the announcement says whether the first argument is the reentrant dummy input. (A block of the
-modules rung has no plan row of its own and is observed like the user's calls.) Such calls are checked like any
-other against what actually happened (no input requiring grad, random ops without RNG
-replay, buffers moved by the recompute, inputs written), which is how the test suite shows that
-autockpt's own checkpointing is clean; the checks that are about how a *user* wrote the call
+modules rung has no plan row of its own and is observed like the user's calls.) Such calls
+are checked like any other against what actually happened (no input requiring grad, random
+ops without RNG replay, buffers moved by the recompute, inputs written), which is how the test
+suite shows that autockpt's own checkpointing is clean; the checks that are about how a *user* wrote the call
 (an input given requires_grad, the call site) do not apply to them.
 """
 
@@ -98,8 +98,8 @@ from autockpt.loss import (
     output_tensors,
 )
 from autockpt.planner import Segment
-from autockpt.runner import SegmentObserver, SegmentRun, observe_segments
 from autockpt.profile import profile
+from autockpt.runner import SegmentObserver, SegmentRun, observe_segments
 from autockpt.stats import Profile
 from autockpt.trace import base_class, bind_inputs, trace
 from autockpt.units import format_bytes

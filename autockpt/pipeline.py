@@ -9,7 +9,8 @@ module both do. Each stage hands the next a typed result:
    :class:`GraphPlan`; or :func:`plan_blocks` (the modules rung: hooks, blocks, plan) -> a
    :class:`BlockPlan`; a plan given by the user is checked against the graph by
    :func:`fit_plan` instead;
-3. :func:`compile_plan` -> a :class:`~autockpt.rewrite.Program`, the code the runtime runs.
+3. :func:`compile_plan` -> a :class:`~autockpt.rewrite.Program`, the code the runtime runs
+   (with its plan, a :class:`Compiled`).
 
 :func:`build` runs them for one input signature; :mod:`autockpt.runtime` only keeps and runs
 what it returns.
@@ -40,6 +41,7 @@ from autockpt.units import format_bytes
 __all__ = [
     "ApplyConfig",
     "BlockPlan",
+    "Compiled",
     "GraphPlan",
     "build",
     "compile_plan",
@@ -79,10 +81,9 @@ class ApplyConfig:
     """The optimizer whose state ``total_bytes`` counts."""
 
 
-
 @dataclass(frozen=True)
 class GraphPlan:
-    """A plan for a captured graph, with what compiling it needs."""
+    """Stage 2's result on a graph rung: the captured graph and its plan."""
 
     traced: TracedModel
     """The captured graph the plan is for."""
@@ -92,12 +93,22 @@ class GraphPlan:
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """A plan of the modules rung, over the blocks of a hook-based profile."""
+    """Stage 2's result on the modules rung: the plan, over the blocks of a hook profile."""
 
     plan: Plan
     """The plan, over the chain of :attr:`profile`."""
     profile: modules.ModuleProfile
     """The profile whose blocks the plan checkpoints."""
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What a transformed module runs for one input signature on a graph rung."""
+
+    planned: GraphPlan
+    """The plan and the graph it is for."""
+    program: Program
+    """The compiled forward and segments."""
 
 
 def plan_blocks(
@@ -194,8 +205,9 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any],
                config: ApplyConfig) -> GraphPlan:
-    """Profile a captured graph and the loss on fake tensors and plan it. With ``cost="profile"`` the nodes are also timed on the real device and the planner
-    weighs recompute by time."""
+    """Profile a captured graph and the loss on fake tensors and plan it. With
+    ``cost="profile"`` the nodes are also timed on the real device and the planner weighs
+    recompute by time."""
     budget_bytes, device = resolve_budget(module, (), arguments, config)
     inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
     stats = profile(traced, inputs, loss_fn=config.loss_fn)
@@ -223,7 +235,8 @@ def fit_plan(plan: Plan, traced: TracedModel) -> GraphPlan:
     """
     count = len(traced.graph.nodes)
     fingerprint = graph_fingerprint(traced.graph)
-    if plan.node_count != count or (plan.graph_fingerprint and plan.graph_fingerprint != fingerprint):
+    if plan.node_count != count or (plan.graph_fingerprint
+                                    and plan.graph_fingerprint != fingerprint):
         raise AutockptError(
             f"the plan was made for a different graph ({plan.model}, {plan.node_count} nodes, "
             f"fingerprint {plan.graph_fingerprint or '?'}) than this model traces to "
@@ -243,16 +256,6 @@ def compile_plan(module: nn.Module, planned: GraphPlan, variant_id: int) -> Prog
         constant_names[name] = new_name
         module.__dict__[new_name] = value
     return rewrite(traced.graph, planned.plan, variant_id, constant_names=constant_names)
-
-
-@dataclass(frozen=True)
-class Compiled:
-    """What a transformed module runs for one input signature on a graph rung."""
-
-    planned: GraphPlan
-    """The plan and the graph it is for."""
-    program: Program
-    """The compiled forward and segments."""
 
 
 def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
