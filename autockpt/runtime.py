@@ -49,12 +49,22 @@ MAX_VARIANTS = 8
 
 @dataclass
 class _Variant:
+    """What a transformed module runs for one input signature."""
+
     key: tuple[Any, ...]
+    """The signature (:func:`signature_key`)."""
     plan: Plan
+    """The plan for it."""
     program: Program | None
+    """The compiled code (graph rungs); ``None`` for the modules rung, or until a plan
+    restored from a pickle is compiled again."""
     param_names: tuple[str, ...]
+    """The forward's parameter names, in the order the program takes them."""
     flatten: Callable[[dict[str, Any]], tuple[Any, ...]] | None = None
+    """Maps the bound arguments to the program's inputs (an exported graph's pytree);
+    ``None``: one input per name in :attr:`param_names`."""
     unflatten: Callable[[Any], Any] | None = None
+    """Rebuilds the forward's output from what the program returns; ``None``: as it is."""
     blocks: modules.ModuleProfile | None = None
     """The ``"modules"`` rung: the profile whose blocks the plan checkpoints (no program)."""
 
