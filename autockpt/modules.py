@@ -948,8 +948,15 @@ def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
     return tree_unflatten(rebuilt, first["tree"])
 
 
+def _rebuild_block(base: type[nn.Module]) -> nn.Module:
+    cls = _block_class(base)
+    return cls.__new__(cls)
+
+
 class _BlockMixin(CheckpointedForward):
     """Methods added to a block's class in the twin: only ``forward`` changes."""
+
+    _autockpt_rebuild = staticmethod(_rebuild_block)
 
     def _autockpt_how(self) -> BlockSpec | None:
         return self.__dict__.get("_autockpt_block")

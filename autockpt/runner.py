@@ -49,7 +49,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.planner import Segment
-from autockpt.trace import generated_subclass
 
 __all__ = ["CheckpointedForward", "SegmentObserver", "SegmentRun", "observe_segments",
            "run_checkpointed"]
@@ -235,10 +234,15 @@ class CheckpointedForward:
     :func:`autockpt.trace.generated_subclass`); only ``forward`` changes behaviour.
 
     A subclass says what one instance checkpoints (:meth:`_autockpt_how`, ``None`` for
-    nothing) and how (:meth:`_autockpt_forward`).
+    nothing), how (:meth:`_autockpt_forward`), and how unpickling rebuilds an instance
+    (:attr:`_autockpt_rebuild`).
     """
 
     _autockpt_base: type[nn.Module]
+    _autockpt_rebuild: Callable[[type[nn.Module]], nn.Module]
+    """A module-level function (a ``staticmethod`` of the subclass) making an empty instance of
+    the generated subclass of a user's class; pickles name it by module and name, so it stays
+    where saved files expect it."""
 
     def _autockpt_how(self) -> Any:
         """What this instance checkpoints (its per-instance state), or ``None``."""
@@ -257,12 +261,5 @@ class CheckpointedForward:
         return self._autockpt_forward(how, args, kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # The generated class cannot be pickled by name: rebuild it from the user's class and
-        # the mixin, which generated_subclass puts first among its bases.
-        mixin = type(self).__bases__[0]
-        return (_rebuild, (mixin, self._autockpt_base), self.__dict__.copy())
-
-
-def _rebuild(mixin: type, base: type[nn.Module]) -> nn.Module:
-    cls = generated_subclass(mixin, base)
-    return cls.__new__(cls)
+        # The generated class cannot be pickled by name: rebuild it from the user's class.
+        return (self._autockpt_rebuild, (self._autockpt_base,), self.__dict__.copy())

@@ -28,6 +28,7 @@ from torch import nn
 
 from autockpt import modules, pipeline
 from autockpt.errors import BudgetWarning
+# Modules pickled before the pipeline existed name autockpt.runtime.ApplyConfig.
 from autockpt.pipeline import ApplyConfig, BlockPlan
 from autockpt.planner import Plan
 from autockpt.rewrite import Program, SegmentProgram
@@ -246,8 +247,15 @@ def _warn_if_accumulating(module: nn.Module, state: RuntimeState) -> None:
     )
 
 
+def _rebuild(base: type[nn.Module]) -> nn.Module:
+    cls = checkpointed_class(base)
+    return cls.__new__(cls)
+
+
 class _CheckpointedMixin(CheckpointedForward):
     """Methods added to the user's class. Only ``forward`` changes behaviour."""
+
+    _autockpt_rebuild = staticmethod(_rebuild)
 
     def _autockpt_how(self) -> RuntimeState | None:
         return self.__dict__.get("_autockpt")
