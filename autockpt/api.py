@@ -1,7 +1,8 @@
 """The public entry points: ``apply``, ``plan`` and ``plan_of``.
 
-They validate arguments, run the stages (trace, profile, plan, rewrite) and re-raise what goes
-wrong inside with the user's context: the model, the inputs, the budget, and the fix.
+They validate arguments, run the stages (:mod:`autockpt.pipeline`: capture, profile, plan,
+compile) and re-raise what goes wrong inside with the user's context: the model, the inputs,
+the budget, and the fix.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.loss import LossFn, check_loss_fn
 from autockpt.planner import MODES, STRATEGIES, Plan
 from autockpt.timing import COSTS
-from autockpt.runtime import ApplyConfig, is_checkpointed, make_any_plan, make_checkpointed
+from autockpt.pipeline import ApplyConfig, make_any_plan
+from autockpt.runtime import is_checkpointed, make_checkpointed
 from autockpt.trace import base_class
 
 __all__ = ["apply", "plan", "plan_of"]
@@ -109,13 +111,8 @@ def apply(
         TraceError: the model cannot be traced by torch.fx.
         InfeasibleBudgetError: the budget cannot be met; it says the least that can.
     """
-    _check_model(model)
-    budget_bytes = _budget_bytes(budget_mb)
-    _check_choice("mode", mode, MODES)
-    _check_choice("strategy", strategy, tuple(STRATEGIES))
-    _check_choice("capture", capture, CAPTURES)
-    _check_choice("cost", cost, COSTS)
-    step = _check_step(budget_mb, loss_fn, grad_accumulation, total_mb, optimizer)
+    budget_bytes, step = _check_common(model, budget_mb, mode, strategy, capture, cost, loss_fn,
+                                       grad_accumulation, total_mb, optimizer)
     if plan is not None and (total_mb is not None or loss_fn is not None or grad_accumulation):
         raise InvalidArgumentError(
             "a plan already fixes the segments: loss_fn, grad_accumulation and total_mb "
@@ -182,13 +179,8 @@ def plan(
     Raises:
         InvalidArgumentError, TraceError, InfeasibleBudgetError: as for :func:`apply`.
     """
-    _check_model(model)
-    budget_bytes = _budget_bytes(budget_mb)
-    _check_choice("mode", mode, MODES)
-    _check_choice("strategy", strategy, tuple(STRATEGIES))
-    _check_choice("capture", capture, CAPTURES)
-    _check_choice("cost", cost, COSTS)
-    step = _check_step(budget_mb, loss_fn, grad_accumulation, total_mb, optimizer)
+    budget_bytes, step = _check_common(model, budget_mb, mode, strategy, capture, cost, loss_fn,
+                                       grad_accumulation, total_mb, optimizer)
     if example_inputs is None and example_kwargs is None:
         raise InvalidArgumentError(
             "plan() needs example inputs: activation sizes depend on the input size",
@@ -234,6 +226,20 @@ def plan_of(module: nn.Module) -> Plan:
 
 
 # --------------------------------------------------------------------------- validation
+
+
+def _check_common(model: Any, budget_mb: Any, mode: Any, strategy: Any, capture: Any, cost: Any,
+                  loss_fn: Any, grad_accumulation: Any, total_mb: Any, optimizer: Any
+                  ) -> tuple[int | None, dict[str, Any]]:
+    """Validate what :func:`apply` and :func:`plan` both take, in the order the user reads
+    it; the activation budget in bytes and the step's :class:`ApplyConfig` fields."""
+    _check_model(model)
+    budget_bytes = _budget_bytes(budget_mb)
+    _check_choice("mode", mode, MODES)
+    _check_choice("strategy", strategy, tuple(STRATEGIES))
+    _check_choice("capture", capture, CAPTURES)
+    _check_choice("cost", cost, COSTS)
+    return budget_bytes, _check_step(budget_mb, loss_fn, grad_accumulation, total_mb, optimizer)
 
 
 def _check_model(model: Any) -> None:

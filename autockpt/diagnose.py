@@ -9,7 +9,7 @@ exactly as they were.
 # NOTE [ Observing checkpoint calls ]
 Scripts reach checkpoint as ``torch.utils.checkpoint.checkpoint``, through a name imported
 with ``from torch.utils.checkpoint import checkpoint`` (a global of the user's module, and of
-``autockpt.runtime``), through ``checkpoint_sequential`` (which calls ``checkpoint`` through
+``autockpt.runner``), through ``checkpoint_sequential`` (which calls ``checkpoint`` through
 its module's globals) and through PyTorch's ``CheckpointWrapper``, whose instances hold a
 ``functools.partial`` of the function made when they were built. So for the length of the run
 every global that *is* one of the two functions (or a partial of one) is replaced by a
@@ -38,7 +38,7 @@ counter moved, when an op's schema marks an argument sharing its storage as writ
 (``Tensor(a!)``), or when the module's ``_buffers`` slot holds another tensor. Only modules
 that actually run inside a checkpoint pay for the copies. A buffer updated both in the forward
 and in the recompute is updated twice. autockpt's segments swap clones in for the recompute
-(NOTE [ Recompute must not update buffers twice ] in ``autockpt.runtime``): the copies are
+(NOTE [ Recompute must not update buffers twice ] in ``autockpt.runner``): the copies are
 taken of the clones, and the real buffers are unchanged at the end of the recompute.
 
 # NOTE [ Memory a checkpoint saves ]
@@ -52,12 +52,14 @@ warning); when no node after it saves anything, backward recomputes it first, at
 (AC011, info). Regions are matched with recorded calls by call site and occurrence.
 
 # NOTE [ Recognising autockpt's own calls ]
-A call whose caller frame runs ``autockpt.runtime.run_segment`` is one of autockpt's segments:
-its plan row (``program.segment``) names the segment, and the reentrant dummy input is
-recognised by the function being ``_drop_first``'s wrapper. Such calls are checked like any
-other against what actually happened (no input requiring grad, random ops without RNG
-replay, buffers moved by the recompute, inputs written), which is how the test suite shows that
-autockpt's own checkpointing is clean; the checks that are about how a *user* wrote the call
+The session observes the segments autockpt runs (NOTE [ Observing segments ] in
+``autockpt.runner``): the runner announces each segment of a graph rung just before it calls
+checkpoint, so the next observed call is that segment's; its plan row names the segment, and
+the announcement says whether the first argument is the reentrant dummy input. (A block of the
+modules rung has no plan row of its own and is observed like the user's calls.) Such calls
+are checked like any other against what actually happened (no input requiring grad, random
+ops without RNG replay, buffers moved by the recompute, inputs written), which is how the test
+suite shows that autockpt's own checkpointing is clean; the checks that are about how a *user* wrote the call
 (an input given requires_grad, the call site) do not apply to them.
 """
 
@@ -82,7 +84,6 @@ import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from autockpt import runtime
 from autockpt.api import split_inputs
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.findings import Finding, Report
@@ -99,6 +100,7 @@ from autockpt.loss import (
 )
 from autockpt.planner import Segment
 from autockpt.profile import profile
+from autockpt.runner import SegmentObserver, SegmentRun, observe_segments
 from autockpt.stats import Profile
 from autockpt.trace import base_class, bind_inputs, trace
 from autockpt.units import format_bytes
@@ -109,8 +111,6 @@ _REAL_CHECKPOINT = torch_checkpoint.checkpoint
 _REAL_SEQUENTIAL = torch_checkpoint.checkpoint_sequential
 _SEQUENTIAL_CODE = inspect.unwrap(_REAL_SEQUENTIAL).__code__
 _CHECKPOINT_FILE = _SEQUENTIAL_CODE.co_filename
-_RUN_SEGMENT_CODE = runtime.run_segment.__code__
-_DROP_FIRST_CODE = runtime._drop_first(lambda *a: None).__code__
 _WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
 # Keyword arguments that configure checkpoint itself; any other keyword goes to the function.
@@ -358,7 +358,8 @@ def _observing(session: _Session) -> Iterator[None]:
         with warnings.catch_warnings():
             for pattern in _QUIET:
                 warnings.filterwarnings("ignore", message=pattern)
-            yield
+            with observe_segments(session):
+                yield
     finally:
         _LOCAL.session = previous
         with _PATCH_LOCK:
@@ -559,7 +560,7 @@ class _Step:
 # --------------------------------------------------------------------------- the session
 
 
-class _Session:
+class _Session(SegmentObserver):
     """One diagnostic run: records the checkpoint calls of one step, then judges them."""
 
     def __init__(self, root: nn.Module, wrapper: _Wrapper | None) -> None:
@@ -583,6 +584,7 @@ class _Session:
                 self.buffer_slots.append((owner, name, _join(owner_path, name)))
         self.buffer_order = {qualname: i for i, (_, _, qualname) in enumerate(self.buffer_slots)}
         self.calls: list[_Call] = []
+        self.announced: SegmentRun | None = None
         self.sequential_calls: list[_Call] = []
         self.active: list[tuple[_Call, str]] = []
         self.snapshots: list[dict[str, tuple[nn.Module, str, torch.Tensor]]] = []
@@ -613,14 +615,22 @@ class _Session:
                 suffix = "" if len(found) == 1 else f"[{i}]"
                 self.input_labels.setdefault(id(tensor), f"{name}{suffix}")
 
+    def segment_started(self, run: SegmentRun, inputs: tuple[Any, ...]) -> None:
+        if run.segment is not None:
+            self.announced = run  # the next checkpoint call is this segment's
+
+    def segment_finished(self, run: SegmentRun) -> None:
+        self.announced = None
+
     def on_checkpoint(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                       caller: FrameType) -> Any:
+        announced, self.announced = self.announced, None
         if self.tracing:
             return self._trace_region(function, args, kwargs, caller)
         if self.active and self.active[-1][1] == "recompute":
             # Nested in a function being recomputed: recorded already when the forward ran.
             return _REAL_CHECKPOINT(function, *args, **kwargs)
-        call = self._record("checkpoint", function, args, kwargs, caller)
+        call = self._record("checkpoint", function, args, kwargs, caller, announced)
         input_keys: dict[int, int] = {}
         for position, value in enumerate(args):
             if isinstance(value, torch.Tensor):
@@ -647,7 +657,7 @@ class _Session:
         return _REAL_SEQUENTIAL(functions, segments, input, *args, **kwargs)
 
     def _record(self, kind: str, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                caller: FrameType) -> _Call:
+                caller: FrameType, announced: SegmentRun | None = None) -> _Call:
         via = ""
         segment = None
         site_frame = _user_frame(caller)
@@ -656,9 +666,9 @@ class _Session:
         source = "" if site_frame is None else linecache.getline(
             site_frame.f_code.co_filename, site_frame.f_lineno, site_frame.f_globals)
         del site_frame
-        if caller.f_code is _RUN_SEGMENT_CODE:
+        if announced is not None:
             via, site = "autockpt", None
-            segment = getattr(caller.f_locals.get("program"), "segment", None)
+            segment = announced.segment
         elif caller.f_code is _SEQUENTIAL_CODE:
             via = "checkpoint_sequential"
         elif caller.f_code.co_name == "forward" and type(
@@ -672,7 +682,7 @@ class _Session:
             label = f"autockpt segment {_span(segment)}"
         else:
             label = self._label(modules, caller_path, function)
-        dummy = via == "autockpt" and getattr(function, "__code__", None) is _DROP_FIRST_CODE
+        dummy = announced is not None and announced.dummy_arg
         inputs = []
         containers = []
         for position, value in enumerate(args):

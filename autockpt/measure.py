@@ -61,7 +61,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 
@@ -557,12 +557,12 @@ def measure(
         >>> "KiB" in str(report)
         True
     """
-    args, kwargs, loss = _check_arguments(model, example_inputs, loss_fn, example_kwargs,
+    args, kwargs, loss = check_arguments(model, example_inputs, loss_fn, example_kwargs,
                                           warmup, repeat, optimizer, grad_accumulation)
     step = make_step(model, args, kwargs, loss, optimizer=optimizer,
                      grad_accumulation=grad_accumulation)
     device = step.device
-    with _PreservedState(model, step.grad_leaves, device, optimizer):
+    with PreservedState(model, step.grad_leaves, device, optimizer):
         for _ in range(warmup):
             step.run()
 
@@ -616,13 +616,9 @@ def measure(
 #     allocated) gives the peak of the whole step, what ``total_mb`` must cover.
 
 
-_S = TypeVar("_S", bound="_Step")
-
-
 def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-              loss_fn: LossFn | None, step_type: type[_S] | None = None, *,
-              optimizer: torch.optim.Optimizer | None = None,
-              grad_accumulation: bool = False) -> _S:
+              loss_fn: LossFn | None, *, optimizer: torch.optim.Optimizer | None = None,
+              grad_accumulation: bool = False) -> _Step:
     """A training step of ``model`` on these (already checked) inputs, set up the way
     :func:`measure` measures it: non-leaf inputs detached, the leaves whose ``.grad`` backward
     writes collected, the device found."""
@@ -641,9 +637,8 @@ def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     # Only parameters accumulate across micro-batches: each micro-batch brings new inputs.
     accumulating = ([p for p in parameters if p.requires_grad and p.is_leaf]
                     if grad_accumulation else [])
-    cls = _Step if step_type is None else step_type
-    return cls(model, args, kwargs, loss_fn, list(grad_leaves.values()), device,  # type: ignore[return-value]
-               optimizer, list({id(p): p for p in accumulating}.values()))
+    return _Step(model, args, kwargs, loss_fn, list(grad_leaves.values()), device, optimizer,
+                 list({id(p): p for p in accumulating}.values()))
 
 
 @dataclass
@@ -668,6 +663,9 @@ class _Step:
     optimizer: torch.optim.Optimizer | None = None
     accumulating: list[torch.Tensor] = field(default_factory=list)
     """Parameters whose ``.grad`` is allocated before the step (gradient accumulation)."""
+    tracker: track_activation_memory | None = field(default=None, init=False)
+    """The tracker of the tracked step running now, for marks made from outside (the
+    memory picture marks its segments); ``None`` between steps."""
 
     def existing_tensors(self) -> list[torch.Tensor]:
         """What exists before the step and is not an activation: parameters, buffers,
@@ -723,6 +721,7 @@ class _Step:
                 for leaf in self.grad_leaves
                 if leaf.is_leaf
             ]
+            self.tracker = tracker
             start = time.perf_counter()
             if whole is None:
                 with tracker:
@@ -737,6 +736,7 @@ class _Step:
             return _StepResult(seconds=time.perf_counter() - start, tracker=tracker,
                                total_bytes=existing_bytes + whole.peak_bytes)
         finally:
+            self.tracker = None
             for handle in handles:
                 handle.remove()
             for leaf in self.grad_leaves:
@@ -797,7 +797,7 @@ class _Step:
             ) from err
 
 
-class _PreservedState:
+class PreservedState:
     """Snapshots what a training step changes in the user's world and puts it back.
 
     Restored on exit, also when the step raised: the ``.grad`` of each leaf (the same
@@ -821,7 +821,7 @@ class _PreservedState:
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
 
-    def __enter__(self) -> _PreservedState:
+    def __enter__(self) -> PreservedState:
         self._grads = [leaf.grad for leaf in self._grad_leaves]
         with torch.no_grad():
             for module in self._model.modules():
@@ -871,7 +871,7 @@ class _PreservedState:
 # --------------------------------------------------------------------------------------
 
 
-def _check_arguments(
+def check_arguments(
     model: Any,
     example_inputs: Any,
     loss_fn: Any,

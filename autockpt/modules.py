@@ -78,13 +78,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from torch.utils.checkpoint import checkpoint
 
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter,
                                  storage_key, tensors)
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs
+from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
 from autockpt.stats import NodeStat, Profile, StorageStat, assume_loss
 from autockpt.trace import base_class, generated_subclass, shallow_view
 
@@ -805,9 +805,7 @@ def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str
                 f"internal error: a segment of the module-level plan covers glue "
                 f"({seg.first_node} .. {seg.last_node})",
                 fix="please report this with the model; pass strategy='sqrt' meanwhile")
-        dummy = mode == "reentrant" and any(
-            prof.call(prof.blocks[k]).trainable and not prof.block_inputs_grad[k]
-            for k in members)
+        dummy = any(_needs_dummy(prof, k, mode) for k in members)
         segments.append(replace(seg, dummy_arg=dummy))
     skipped = []
     for seg in plan.skipped:
@@ -819,6 +817,13 @@ def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str
                             .encode()).hexdigest()[:16]
     return replace(plan, segments=tuple(segments), skipped=tuple(skipped),
                    graph_fingerprint=digest, notes=plan.notes + prof.notes)
+
+
+def _needs_dummy(prof: ModuleProfile, block: int, mode: str) -> bool:
+    """Whether block number ``block`` of ``prof`` gets the reentrant dummy argument: it has
+    trainable parameters and no tensor argument that requires grad."""
+    return (mode == "reentrant" and prof.call(prof.blocks[block]).trainable
+            and not prof.block_inputs_grad[block])
 
 
 def blocks_of_plan(prof: ModuleProfile, plan: Plan) -> tuple[str, ...]:
@@ -886,101 +891,69 @@ class BlockSpec:
     """Buffers it updates, relative to the block: cloned during the recompute."""
     trainable: bool
     """Whether it has parameters that require grad."""
-
-
-def _swap_in_clones(block: nn.Module, buffers: Sequence[str]
-                    ) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
-    """See NOTE [ Recompute must not update buffers twice ] in :mod:`autockpt.runtime`."""
-    slots = []
-    for qualname in buffers:
-        owner_path, _, name = qualname.rpartition(".")
-        owner = block.get_submodule(owner_path)
-        original = owner._buffers.get(name)
-        slots.append((owner, name, original))
-        if original is not None:
-            owner._buffers[name] = original.clone()
-    return slots
+    dummy_arg: bool
+    """Whether it gets the reentrant dummy argument (NOTE [ The dummy argument ] in
+    :mod:`autockpt.runner`): decided from the profile, see :func:`_needs_dummy`."""
+    carries_grad: bool
+    """Whether gradient flows through it (trainable parameters, or a tensor argument that
+    requires grad); one without runs plainly, as checkpoint would save nothing."""
 
 
 def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
-    """Run ``block``'s own forward under checkpoint.
+    """Run ``block``'s own forward under checkpoint (:func:`autockpt.runner.run_checkpointed`).
 
     Checkpoint is handed the tensors of the call only, flattened: reentrant checkpoint
     takes no keyword arguments and gives gradients only to top-level tensor arguments and
     outputs. Everything else (flags, ``None``, caches) is bound in the closure, and the
     output's structure is rebuilt from the first call."""
     base_forward = block._autockpt_base.forward  # type: ignore[attr-defined]
+    if not spec.carries_grad:
+        return base_forward(block, *args, **kwargs)
     leaves, tree = tree_flatten((args, kwargs))
     slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     tensors = tuple(leaves[i] for i in slots)
-    if not spec.trainable and not any(t.requires_grad for t in tensors):
-        return base_forward(block, *args, **kwargs)  # no gradient flows: nothing to save
     first: dict[str, Any] = {}
-    calls = 0
 
     def fn(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        nonlocal calls
-        calls += 1
         values = list(leaves)
         for i, t in zip(slots, flat):
             values[i] = t
         call_args, call_kwargs = tree_unflatten(values, tree)
-        swapped = _swap_in_clones(block, spec.buffers) if calls > 1 else []
-        try:
-            out = base_forward(block, *call_args, **call_kwargs)
-        finally:
-            for owner, name, original in swapped:
-                owner._buffers[name] = original
-        out_leaves, out_tree = tree_flatten(out)
-        if calls == 1:
+        out_leaves, out_tree = tree_flatten(base_forward(block, *call_args, **call_kwargs))
+        if not first:
             first["leaves"], first["tree"] = out_leaves, out_tree
         return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
 
-    if spec.mode == "reentrant":
-        if spec.trainable and not any(t.requires_grad for t in tensors):
-            # Without an input that requires grad, reentrant checkpoint would give the
-            # block's parameters no gradient.
-            device = tensors[0].device if tensors else next(block.parameters()).device
-            dummy = torch.empty((), device=device, requires_grad=True)
-            result = checkpoint(lambda _dummy, *flat: fn(*flat), dummy, *tensors,
-                                use_reentrant=True, preserve_rng_state=spec.preserve_rng)
-        else:
-            result = checkpoint(fn, *tensors, use_reentrant=True,
-                                preserve_rng_state=spec.preserve_rng)
-    else:
-        result = checkpoint(fn, *tensors, use_reentrant=False,
-                            preserve_rng_state=spec.preserve_rng)
+    run = SegmentRun(module=block, segment=None, block=spec.qualname, mode=spec.mode,
+                     dummy_arg=spec.dummy_arg)
+    result = run_checkpointed(run, fn, tensors, preserve_rng=spec.preserve_rng,
+                              buffers=spec.buffers)
     outputs = iter(result)
     rebuilt = [next(outputs) if isinstance(v, torch.Tensor) else v for v in first["leaves"]]
     return tree_unflatten(rebuilt, first["tree"])
 
 
-class _BlockMixin:
+def _rebuild_block(base: type[nn.Module]) -> nn.Module:
+    cls = _block_class(base)
+    return cls.__new__(cls)
+
+
+class _BlockMixin(CheckpointedForward):
     """Methods added to a block's class in the twin: only ``forward`` changes."""
 
-    _autockpt_base: type[nn.Module]
+    _autockpt_rebuild = staticmethod(_rebuild_block)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        spec: BlockSpec | None = self.__dict__.get("_autockpt_block")
-        module: nn.Module = self  # type: ignore[assignment]
-        # Eval and no_grad need no checkpoint: the block's own forward, untouched.
-        if spec is None or not module.training or not torch.is_grad_enabled():
-            return self._autockpt_base.forward(module, *args, **kwargs)
-        return _run_block(module, spec, args, kwargs)
+    def _autockpt_how(self) -> BlockSpec | None:
+        return self.__dict__.get("_autockpt_block")
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # The generated class cannot be pickled by name: rebuild it from the user's class.
-        return (_rebuild_block, (self._autockpt_base,), self.__dict__.copy())
+    def _autockpt_forward(self, how: BlockSpec, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> Any:
+        return _run_block(self, how, args, kwargs)  # type: ignore[arg-type]
 
 
 def _block_class(base: type[nn.Module]) -> type[nn.Module]:
     return generated_subclass(_BlockMixin, base)
-
-
-def _rebuild_block(base: type[nn.Module]) -> nn.Module:
-    cls = _block_class(base)
-    return cls.__new__(cls)
 
 
 def _replace_child(parent: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
@@ -1053,6 +1026,7 @@ def install(twin: nn.Module, prof: ModuleProfile, plan_or_blocks: Plan | Sequenc
             sub.__dict__["_autockpt_block"] = None
     for qualname in chosen:
         record = prof.call(qualname)
+        number = prof.blocks.index(qualname)
         parent = twin
         atoms = qualname.split(".")
         for atom in atoms[:-1]:
@@ -1072,7 +1046,8 @@ def install(twin: nn.Module, prof: ModuleProfile, plan_or_blocks: Plan | Sequenc
             qualname=qualname, mode=mode, preserve_rng=record.random,
             buffers=tuple(b[len(prefix):] for b in record.mutated_buffers
                           if b.startswith(prefix)),
-            trainable=record.trainable)
+            trainable=record.trainable, dummy_arg=_needs_dummy(prof, number, mode),
+            carries_grad=record.trainable or prof.block_inputs_grad[number])
 
 
 @contextlib.contextmanager

@@ -75,7 +75,8 @@ class Segment:
     """Forward FLOPs that backward runs again (0 if not checkpointed)."""
     dummy_arg: bool
     """Whether it gets the dummy-argument wrapper: reentrant mode, trainable parameters, and no
-    tensor input that requires grad (without it, those parameters would get no gradient)."""
+    tensor input that requires grad (without it, those parameters would get no gradient). The
+    runtime does what this says."""
     preserve_rng: bool
     """Whether it contains random ops, so the RNG state is stashed and replayed."""
     buffers: tuple[str, ...]
@@ -423,11 +424,14 @@ def _describe(
             for st in profile.storages
             if st.producer in inside and any(s in inside for s in st.saved_by)
         )
-        input_grad = any(st.requires_grad for st in inputs) or any(
-            nodes[i].requires_grad and nodes[i].output_kind == "tensor" and nodes[i].op == "placeholder"
+        # The dummy argument is decided here, once, on what the runtime hands checkpoint:
+        # the segment's inputs other than parameters, of which only tensors count (NOTE [ The
+        # dummy argument ] in autockpt.runner).
+        input_grad = any(
+            nodes[i].requires_grad and nodes[i].output_kind == "tensor"
             for m in members
             for i in m.inputs
-            if i < start
+            if i < start and nodes[i].op != "get_attr"
         )
         segments.append(
             _segment(

@@ -18,18 +18,18 @@ NOTE [ Where the segments are in the timeline ]
     The curves are the timelines of :class:`~autockpt.measure.track_activation_memory`, taken
     exactly as :func:`~autockpt.measure.measure` takes them (same gradient handling, same
     default loss), so their maxima are the peaks ``measure`` reports. To know which ops belong
-    to which checkpointed segment, the transformed model used for the picture gets its own
-    ``_autockpt_run`` (an instance attribute, so no other module and no global is touched):
-    it marks the tracker when a segment starts and ends in forward, wraps the segment's
-    function so that the recompute in backward (its second call) is marked too, and hooks
-    the segment's inputs so that the moment their gradients are ready ends the segment's
-    backward. Marks add no ATen op, so the curve is the same as without them.
+    to which checkpointed segment, the step of the transformed model is observed
+    (NOTE [ Observing segments ] in :mod:`autockpt.runner`): the observer marks the tracker
+    when one of that model's outermost segments starts and ends in forward and when its
+    recompute in backward starts and ends, and hooks the segment's inputs so that the moment
+    their gradients are ready ends the segment's backward. Marks add no ATen op, so the curve
+    is the same as without them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,15 +38,10 @@ from torch import nn
 
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.loss import LossFn
-from autockpt.measure import (
-    _check_arguments,
-    _PreservedState,
-    _Step,
-    make_step,
-    track_activation_memory,
-)
+from autockpt.measure import PreservedState, check_arguments, make_step
 from autockpt.planner import Plan
 from autockpt.report import span_label
+from autockpt.runner import SegmentObserver, SegmentRun, observe_segments
 from autockpt.units import format_bytes
 
 if TYPE_CHECKING:
@@ -170,7 +165,7 @@ def memory_curves(
             "pass either budget_mb or plan, not both: a plan already fixes the segments",
             fix="drop budget_mb, or make the plan with that budget",
         )
-    args, kwargs, loss_fn = _check_arguments(model, example_inputs, loss_fn, example_kwargs,
+    args, kwargs, loss_fn = check_arguments(model, example_inputs, loss_fn, example_kwargs,
                                              0, 1)
     if plan is None:
         plan = make_plan(model, args, budget_mb=budget_mb, example_kwargs=kwargs,
@@ -198,19 +193,6 @@ def memory_curves(
     )
 
 
-class _MarkedStep(_Step):
-    """A measured step that exposes its tracker while it runs, for the segment marks."""
-
-    active: track_activation_memory | None = None
-
-    def _forward_backward(self, tracker: track_activation_memory | None) -> tuple[Any, ...]:
-        self.active = tracker
-        try:
-            return super()._forward_backward(tracker)
-        finally:
-            self.active = None
-
-
 def _tracked_step(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -219,62 +201,60 @@ def _tracked_step(
     segment_numbers: dict[int, int] | None,
 ) -> tuple[tuple[int, ...], list[tuple[str, int]]]:
     """One tracked step, set up as :func:`autockpt.measure` sets it up; returns the bytes
-    after each op and the marks as ``(label, op_index)``."""
-    step = make_step(model, args, kwargs, loss_fn, _MarkedStep)
-    device = step.device
-    if segment_numbers is not None:
-        _instrument(model, step, segment_numbers)
-    try:
-        with _PreservedState(model, step.grad_leaves, device):
-            result = step.run(track=True)
-    finally:
-        model.__dict__.pop("_autockpt_run", None)
+    after each op and the marks as ``(label, op_index)``. With ``segment_numbers`` (the
+    printed number of each outermost segment, by its first node) the segments of ``model``
+    are marked too (NOTE [ Where the segments are in the timeline ])."""
+    step = make_step(model, args, kwargs, loss_fn)
+    observer = _SegmentMarks(model, step, segment_numbers or {})
+    with PreservedState(model, step.grad_leaves, step.device), observe_segments(observer):
+        result = step.run(track=True)
     tracker = result.tracker
     assert tracker is not None
     curve = tuple(point.current_bytes for point in tracker.timeline)
     return curve, [(m.label, m.op_index) for m in tracker.marks]
 
 
-def _instrument(module: nn.Module, step: _MarkedStep, numbers: dict[int, int]) -> None:
-    """Give ``module`` its own segment runner that marks the tracker. See NOTE [ Where the
-    segments are in the timeline ]."""
-    from autockpt.runtime import run_segment
+class _SegmentMarks(SegmentObserver):
+    """Marks the tracker of ``step`` where the outermost segments of ``module`` run."""
 
-    state = module.__dict__["_autockpt"]
+    def __init__(self, module: nn.Module, step: Any, numbers: dict[int, int]) -> None:
+        self.module = module
+        self.step = step
+        self.numbers = numbers
 
-    def mark(label: str) -> None:
-        if step.active is not None:
-            step.active.mark(label)
+    def _number(self, run: SegmentRun) -> int | None:
+        # Nested segments run inside their parent's recompute: only the outermost are marked.
+        if run.module is not self.module or run.segment is None or run.segment.depth > 0:
+            return None
+        return self.numbers.get(run.segment.start)
 
-    def run(variant_id: int, index: int, *inputs: Any) -> Any:
-        program = state.by_id[variant_id].program.segments[index]
-        if program.segment.depth > 0:
-            return run_segment(module, program, state.config.mode, inputs)
-        number = numbers.get(program.segment.start, index + 1)
-        calls = 0
+    def _mark(self, label: str) -> None:
+        if self.step.tracker is not None:
+            self.step.tracker.mark(label)
 
-        def fn(mod: nn.Module, *xs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                return program.fn(mod, *xs)
-            mark(f"recompute {number}")
-            try:
-                return program.fn(mod, *xs)
-            finally:
-                # Reached also when a non-reentrant recompute stops early by raising.
-                mark(f"recomputed {number}")
-
-        mark(f"segment {number}")
+    def segment_started(self, run: SegmentRun, inputs: tuple[Any, ...]) -> None:
+        number = self._number(run)
+        if number is None:
+            return
+        self._mark(f"segment {number}")
         for tensor in inputs:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(lambda grad: mark(f"grads {number}"))
-        try:
-            return run_segment(module, replace(program, fn=fn), state.config.mode, inputs)
-        finally:
-            mark(f"segment end {number}")
+                tensor.register_hook(lambda grad: self._mark(f"grads {number}"))
 
-    module.__dict__["_autockpt_run"] = run
+    def segment_finished(self, run: SegmentRun) -> None:
+        number = self._number(run)
+        if number is not None:
+            self._mark(f"segment end {number}")
+
+    def recompute_started(self, run: SegmentRun) -> None:
+        number = self._number(run)
+        if number is not None:
+            self._mark(f"recompute {number}")
+
+    def recompute_finished(self, run: SegmentRun) -> None:
+        number = self._number(run)
+        if number is not None:
+            self._mark(f"recomputed {number}")
 
 
 def _mark_op(marks: Sequence[tuple[str, int]], label: str) -> int:

@@ -20,7 +20,7 @@ import copy
 import hashlib
 import linecache
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +44,7 @@ class SegmentProgram:
     fn: Callable[..., tuple[Any, ...]]
     """``fn(module, *inputs)`` runs the segment's nodes and returns its outputs as a tuple."""
     segment: Segment
-    """The plan's row for this segment."""
-    trainable: bool
-    """Whether it uses parameters that require grad (reentrant mode needs a dummy input that
-    requires grad when none of its tensor inputs does)."""
+    """The plan's row for this segment: how the runtime runs it."""
     source: str
     """The generated Python source of ``fn``, for debugging."""
 
@@ -95,7 +92,6 @@ def rewrite(
     plan: Plan,
     variant: int,
     *,
-    trainable: Sequence[bool],
     constant_names: dict[str, str] | None = None,
 ) -> Program:
     """Compile ``graph`` with ``plan``'s checkpointed segments cut out into their own
@@ -105,7 +101,6 @@ def rewrite(
         graph: the traced graph (not modified).
         plan: the plan whose ``segments`` are checkpointed.
         variant: the number the runtime knows this program by, baked into the calls.
-        trainable: per node position, whether the node uses a parameter that requires grad.
         constant_names: new attribute names for tensor constants the tracer created.
 
     Example:
@@ -188,12 +183,7 @@ def rewrite(
             _drop_dead_attributes(sub)
             sub.lint()
             fn, src = _compile(sub, f"segment {index} of variant {variant}")
-            programs[index] = SegmentProgram(
-                fn=fn,
-                segment=seg,
-                trainable=any(trainable[seg.start : seg.end]),
-                source=src,
-            )
+            programs[index] = SegmentProgram(fn=fn, segment=seg, source=src)
             call = target.call_module(RUN_METHOD, (variant, index, *(env[a] for a in inputs)))
             for k, out in enumerate(outputs):
                 env[out] = target.call_function(operator.getitem, (call, k))

@@ -1,103 +1,71 @@
-"""What a transformed module runs: its class, its per-instance state and the checkpoint call.
+"""What a transformed module runs: its class, its per-instance state and its segments.
 
 ``autockpt.apply`` returns an object of a subclass of the user's own class, made once per class
 by :func:`checkpointed_class`, whose ``__dict__`` is a shallow copy of the original's. So the
 result *is a* ``MyNet``, holds the very same submodules and Parameter objects, and has the same
 ``state_dict()`` keys; its methods other than ``forward`` are the user's.
 
-# NOTE [ Recompute must not update buffers twice ]
-Checkpoint recomputes a segment's forward in backward. A BatchNorm in train mode would update
-its running statistics (and ``num_batches_tracked``) a second time (pytorch/pytorch#96136, both
-modes). The segment function counts its calls per checkpoint invocation: the first is the real
-forward; on any later call (the recompute) it swaps in clones of the buffers the profiler saw
-being updated in that segment, so that the recompute updates the clones, and puts the
-originals back afterwards, also when a non-reentrant recompute stops early by raising.
+At the first training forward with a new input signature the stages run
+(:func:`autockpt.pipeline.build`); the state keeps what they return, per signature, and runs it.
 
-# NOTE [ RNG only where needed ]
-``preserve_rng_state=True`` stashes and restores the CPU and CUDA RNG states around every
-recompute. It is needed for dropout to drop the same elements twice, and costs time, so it is
-only asked for in segments where the profiler saw an op that consumes the RNG.
+Each checkpointed segment runs through :func:`autockpt.runner.run_checkpointed`, the runner the
+modules rung shares (NOTE [ Recompute must not update buffers twice ] and NOTE [ RNG only where
+needed ] there).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from autockpt import modules
-from autockpt.capture import NoGraph, capture
-from autockpt.budget import DeviceBudget, device_budget
-from autockpt.errors import AutockptError, BudgetWarning, InfeasibleBudgetError, InvalidArgumentError
-from autockpt.loss import LossFn
-from autockpt.planner import Plan, make_plan
-from autockpt.stats import LOSS_OP
-from autockpt.units import format_bytes
-from autockpt.profile import profile
-from autockpt.rewrite import Program, SegmentProgram, graph_fingerprint, rewrite
-from autockpt.timing import time_nodes
-from autockpt.trace import TracedModel, base_class, bind_inputs, generated_subclass
+from autockpt import modules, pipeline
+from autockpt.errors import BudgetWarning
+# Modules pickled before the pipeline existed name autockpt.runtime.ApplyConfig.
+from autockpt.pipeline import ApplyConfig, BlockPlan
+from autockpt.planner import Plan
+from autockpt.rewrite import Program, SegmentProgram
+from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
+from autockpt.trace import base_class, bind_inputs, generated_subclass, shallow_view
 
 __all__ = [
-    "ApplyConfig",
     "RuntimeState",
     "checkpointed_class",
     "make_checkpointed",
     "is_checkpointed",
-    "make_any_plan",
-    "plan_blocks",
-    "plan_graph",
     "run_segment",
+    "signature_key",
 ]
 
 MAX_VARIANTS = 8
 """How many input signatures a module keeps plans for before forgetting the oldest."""
 
 
-@dataclass(frozen=True)
-class ApplyConfig:
-    """What ``apply`` was asked for; the same for every input size."""
-
-    budget_bytes: int | None
-    """Peak activation bytes allowed; ``None`` for the least reachable."""
-    mode: str
-    """``"non_reentrant"`` or ``"reentrant"``."""
-    strategy: str
-    """Name of the planning strategy."""
-    fixed_plan: Plan | None = None
-    """A plan given by the user: applied as it is to every input size."""
-    capture: str = "auto"
-    """How to capture the forward (see :data:`autockpt.capture.CAPTURES`)."""
-    cost: str = "flops"
-    """The recompute cost model (see :data:`autockpt.timing.COSTS`)."""
-    loss_fn: LossFn | None = None
-    """The user's loss, priced with the model (NOTE [ The loss node ] in
-    :mod:`autockpt.profile`); ``None``: the default (NOTE [ The default loss ])."""
-    grad_accumulation: bool = False
-    """Plan for steps in which the parameters' ``.grad`` already exists."""
-    total_bytes: int | None = None
-    """A budget for the whole device; the activation budget is what the step's fixed memory
-    leaves of it (:func:`autockpt.budget.device_budget`)."""
-    optimizer: Any = None
-    """The optimizer whose state ``total_bytes`` counts."""
-
-
 @dataclass
 class _Variant:
+    """What a transformed module runs for one input signature."""
+
     key: tuple[Any, ...]
+    """The signature (:func:`signature_key`)."""
     plan: Plan
+    """The plan for it."""
     program: Program | None
+    """The compiled code (graph rungs); ``None`` for the modules rung, or until a plan
+    restored from a pickle is compiled again."""
     param_names: tuple[str, ...]
+    """The forward's parameter names, in the order the program takes them."""
     flatten: Callable[[dict[str, Any]], tuple[Any, ...]] | None = None
+    """Maps the bound arguments to the program's inputs (an exported graph's pytree);
+    ``None``: one input per name in :attr:`param_names`."""
     unflatten: Callable[[Any], Any] | None = None
+    """Rebuilds the forward's output from what the program returns; ``None``: as it is."""
     blocks: modules.ModuleProfile | None = None
     """The ``"modules"`` rung: the profile whose blocks the plan checkpoints (no program)."""
 
@@ -190,26 +158,17 @@ class RuntimeState:
         key: tuple[Any, ...],
         known: Plan | None,
     ) -> _Variant:
-        plan = known if known is not None else self.config.fixed_plan
-        # A given plan is re-applied to a graph captured the way it was made.
-        method = plan.capture if plan is not None else self.config.capture
-        traced = capture(module, args, kwargs, method)
-        if isinstance(traced, NoGraph):
-            made, prof = plan_blocks(module, args, kwargs, traced.reason, self.config)
-            variant = _Variant(key=key, plan=plan if plan is not None else made, program=None,
-                               param_names=(), blocks=prof)
-            modules.blocks_of_plan(prof, variant.plan)  # a given plan must name these blocks
+        built = pipeline.build(module, args, kwargs, arguments, self.config, known,
+                               self._next_id)
+        if isinstance(built, BlockPlan):
+            variant = _Variant(key=key, plan=built.plan, program=None, param_names=(),
+                               blocks=built.profile)
             self._remember(key, variant)
             return variant
-        fingerprint = graph_fingerprint(traced.graph)
-        if plan is not None:
-            check_plan_fits(plan, traced, fingerprint)
-        else:
-            plan = plan_graph(module, traced, arguments, self.config)
         variant_id = self._next_id
         self._next_id += 1
-        program = compile_plan(module, traced, plan, variant_id)
-        variant = _Variant(key=key, plan=plan, program=program,
+        traced = built.planned.traced
+        variant = _Variant(key=key, plan=built.planned.plan, program=built.program,
                            param_names=traced.spec.param_names, flatten=traced.flatten,
                            unflatten=traced.unflatten)
         self.by_id[variant_id] = variant
@@ -221,170 +180,6 @@ class RuntimeState:
         while len(self.variants) > MAX_VARIANTS:
             _, old = self.variants.popitem(last=False)
             self.by_id = {i: v for i, v in self.by_id.items() if v is not old}
-
-
-def plan_blocks(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    reason: str,
-    config: ApplyConfig,
-) -> tuple[Plan, modules.ModuleProfile]:
-    """The ``"modules"`` rung: profile whole submodules with hooks and plan over them.
-
-    It has no graph to time node by node: ``cost="profile"`` plans by FLOPs here, and the
-    plan's notes say so. Nor does it run the loss with the model: it prices the gradient a
-    loss sends into the output as an output-sized one, and says so."""
-    from autockpt.trace import shallow_view
-
-    _refuse_caches(module, args, kwargs)
-    budget_bytes, device = resolve_budget(module, args, kwargs, config)
-    # The user's forward on the user's class, with the twin's block views running plainly.
-    view = shallow_view(module)
-    with modules.suspended(view), _whole_device(device):
-        plan, prof = modules.build(view, args, kwargs, budget_bytes=budget_bytes,
-                                   mode=config.mode, strategy=config.strategy,
-                                   grad_accumulation=config.grad_accumulation)
-    notes = plan.notes
-    if config.cost != "flops":
-        notes += (f"cost={config.cost!r} needs a graph to time; the modules rung planned by "
-                  "FLOPs",)
-    if config.loss_fn is not None:
-        notes += ("the modules rung cannot run loss_fn with the model: it priced an "
-                  "output-sized gradient for each output instead",)
-    return replace(plan, model=base_class(module).__name__, capture="modules",
-                   capture_reason=reason, notes=notes, device=device), prof
-
-
-def resolve_budget(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   config: ApplyConfig) -> tuple[int | None, DeviceBudget | None]:
-    """The activation budget for these inputs: ``budget_bytes``, or what the step's fixed
-    memory leaves of ``total_bytes``."""
-    if config.total_bytes is None:
-        return config.budget_bytes, None
-    device = device_budget(module, (args, kwargs), config.total_bytes, config.optimizer,
-                           subject=base_class(module).__name__)
-    return device.activation_budget_bytes, device
-
-
-@contextlib.contextmanager
-def _whole_device(device: DeviceBudget | None) -> Iterator[None]:
-    """Say what an activation budget that does not fit means for the whole device."""
-    try:
-        yield
-    except InfeasibleBudgetError as err:
-        if device is None:
-            raise
-        least = device.fixed_bytes + err.min_feasible_bytes
-        raise InfeasibleBudgetError(
-            f"the step needs at least {format_bytes(least)} of total_mb "
-            f"({format_bytes(device.total_bytes)}): {format_bytes(device.fixed_bytes)} fixed "
-            f"(parameters {format_bytes(device.parameter_bytes)}, gradients "
-            f"{format_bytes(device.gradient_bytes)}, {device.optimizer} state "
-            f"{format_bytes(device.optimizer_state_bytes)}, inputs "
-            f"{format_bytes(device.input_bytes)}) and {format_bytes(err.min_feasible_bytes)} "
-            f"of activations at the least",
-            budget_bytes=device.total_bytes, min_feasible_bytes=least,
-            fix=f"pass total_mb={-(-least * 100 // 2**20) / 100} or more, or use a smaller "
-            "batch",
-        ) from err
-
-
-def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A block that appends to a key/value cache would append twice when it is recomputed:
-    the gradients stay right but the cache the model returns is wrong, silently. Hugging
-    Face turns the cache off when it checkpoints; here the user must."""
-    use_cache = bind_inputs(module, args, kwargs).get("use_cache")
-    config = getattr(module, "config", None)
-    if use_cache is None and config is not None:
-        use_cache = getattr(config, "use_cache", None)
-    if use_cache is True:
-        raise InvalidArgumentError(
-            f"{base_class(module).__name__} is called with use_cache=True: checkpointing its "
-            "blocks would add every key/value to the cache twice when they are recomputed",
-            fix="pass use_cache=False in the training batch (or set model.config.use_cache = "
-            "False); torch.export can then capture the model too",
-        )
-
-
-def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  config: ApplyConfig) -> Plan:
-    """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
-    does)."""
-    traced = capture(module, args, kwargs, config.capture)
-    if isinstance(traced, NoGraph):
-        return plan_blocks(module, args, kwargs, traced.reason, config)[0]
-    return plan_graph(module, traced, bind_inputs(module, args, kwargs), config)
-
-
-def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any],
-               config: ApplyConfig) -> Plan:
-    """Profile a captured graph and the loss on fake tensors and plan it (what
-    :func:`autockpt.plan` and the first training forward of a transformed module both do).
-    With ``cost="profile"`` the nodes are also timed on the real device and the planner
-    weighs recompute by time."""
-    budget_bytes, device = resolve_budget(module, (), arguments, config)
-    inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
-    stats = profile(traced, inputs, loss_fn=config.loss_fn)
-    if config.cost == "profile":
-        times = iter(time_nodes(traced, inputs))
-        # The loss node is the user's code, never recomputed: it needs no time.
-        stats = replace(stats, nodes=tuple(
-            replace(node, time_ns=0 if node.op == LOSS_OP else next(times))
-            for node in stats.nodes))
-    with _whole_device(device):
-        plan = make_plan(stats, budget_bytes, strategy=config.strategy, mode=config.mode,
-                         model=base_class(module).__name__,
-                         grad_accumulation=config.grad_accumulation)
-    return replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
-                   capture=traced.capture, capture_reason=traced.capture_reason,
-                   cost_model=config.cost, device=device)
-
-
-def check_plan_fits(plan: Plan, traced: TracedModel, fingerprint: str) -> None:
-    """Raise if ``plan`` was made for a different graph than ``traced``."""
-    count = len(traced.graph.nodes)
-    if plan.node_count != count or (plan.graph_fingerprint and plan.graph_fingerprint != fingerprint):
-        raise AutockptError(
-            f"the plan was made for a different graph ({plan.model}, {plan.node_count} nodes, "
-            f"fingerprint {plan.graph_fingerprint or '?'}) than this model traces to "
-            f"({count} nodes, fingerprint {fingerprint})",
-            fix="make the plan with autockpt.plan() on this model, with inputs that take the "
-            "same branches (None arguments and flags must match)",
-        )
-
-
-def compile_plan(module: nn.Module, traced: TracedModel, plan: Plan, variant_id: int) -> Program:
-    """Compile ``plan`` for ``traced`` and attach the tracer's tensor constants to ``module``."""
-    constant_names = {}
-    for i, (name, value) in enumerate(sorted(traced.constants.items())):
-        new_name = f"_autockpt_const_{variant_id}_{i}"
-        constant_names[name] = new_name
-        module.__dict__[new_name] = value
-    trainable = []
-    for node in traced.graph.nodes:
-        stat = node.meta.get("autockpt")
-        if stat is not None:
-            trainable.append(stat.trainable)
-        elif node.op == "call_module":
-            sub = traced.graph_module.get_submodule(str(node.target))
-            trainable.append(any(p.requires_grad for p in sub.parameters()))
-        else:
-            trainable.append(
-                any(
-                    a.op == "get_attr" and getattr(_fetch(traced, a.target), "requires_grad", False)
-                    for a in node.all_input_nodes
-                )
-            )
-    return rewrite(traced.graph, plan, variant_id, trainable=trainable,
-                   constant_names=constant_names)
-
-
-def _fetch(traced: TracedModel, target: Any) -> Any:
-    obj: Any = traced.graph_module
-    for atom in str(target).split("."):
-        obj = getattr(obj, atom)
-    return obj
 
 
 def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
@@ -417,69 +212,16 @@ def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
 # --------------------------------------------------------------------------- running a segment
 
 
-def _guarded(module: nn.Module, program: SegmentProgram) -> Callable[..., Any]:
-    """The segment's function for one checkpoint call; see NOTE [ Recompute must not update
-    buffers twice ]."""
-    buffers = program.segment.buffers
-    calls = 0
-
-    def run(*inputs: Any) -> Any:
-        nonlocal calls
-        if torch.compiler.is_compiling():
-            # Under torch.compile the segment is traced once into checkpoint's higher-order
-            # op and the recompute is done by the compiled backward, never by calling this
-            # function again, so there is no second call to guard. Counting here would be a
-            # side effect outside the op, which makes dynamo graph-break and run every
-            # checkpointed segment uncompiled.
-            return program.fn(module, *inputs)
-        calls += 1
-        if calls == 1 or not buffers:
-            return program.fn(module, *inputs)
-        # The recompute updates clones; the real buffers keep the values (and the version
-        # counters) the forward left. Copying values back instead would bump the version of a
-        # buffer the recomputed graph saved, and backward would refuse to run.
-        slots = []
-        for qualname in buffers:
-            owner_path, _, name = qualname.rpartition(".")
-            owner = module.get_submodule(owner_path)
-            original = owner._buffers[name]
-            slots.append((owner, name, original))
-            if original is not None:
-                owner._buffers[name] = original.clone()
-        try:
-            return program.fn(module, *inputs)
-        finally:
-            for owner, name, original in slots:
-                owner._buffers[name] = original
-
-    return run
-
-
-def _drop_first(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def run(_dummy: torch.Tensor, *inputs: Any) -> Any:
-        return fn(*inputs)
-
-    return run
-
-
 def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: tuple[Any, ...]
                 ) -> Any:
-    """Run one segment under ``torch.utils.checkpoint.checkpoint``."""
+    """Run one compiled segment of ``module`` under checkpoint (:mod:`autockpt.runner`)."""
     if not torch.is_grad_enabled():
         return program.fn(module, *inputs)
-    fn = _guarded(module, program)
-    preserve = program.segment.preserve_rng
-    if mode == "reentrant":
-        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-        if program.trainable and not any(t.requires_grad for t in tensors):
-            # Reentrant checkpoint only gives gradients when an input requires grad: without
-            # this dummy the segment's parameters would silently get none.
-            device = tensors[0].device if tensors else torch.device("cpu")
-            dummy = torch.empty((), device=device, requires_grad=True)
-            return checkpoint(_drop_first(fn), dummy, *inputs, use_reentrant=True,
-                              preserve_rng_state=preserve)
-        return checkpoint(fn, *inputs, use_reentrant=True, preserve_rng_state=preserve)
-    return checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=preserve)
+    segment = program.segment
+    run = SegmentRun(module=module, segment=segment, block="", mode=mode,
+                     dummy_arg=segment.dummy_arg)
+    return run_checkpointed(run, functools.partial(program.fn, module), inputs,
+                            preserve_rng=segment.preserve_rng, buffers=segment.buffers)
 
 
 # --------------------------------------------------------------------------- the class
@@ -501,24 +243,29 @@ def _warn_if_accumulating(module: nn.Module, state: RuntimeState) -> None:
         "a temporary added into it, which the plan did not count: the budget may not hold. "
         "Fix: pass grad_accumulation=True to autockpt.apply, or call "
         "optimizer.zero_grad(set_to_none=True) between steps",
-        BudgetWarning, stacklevel=5,
+        BudgetWarning, stacklevel=6,
     )
 
 
-class _CheckpointedMixin:
+def _rebuild(base: type[nn.Module]) -> nn.Module:
+    cls = checkpointed_class(base)
+    return cls.__new__(cls)
+
+
+class _CheckpointedMixin(CheckpointedForward):
     """Methods added to the user's class. Only ``forward`` changes behaviour."""
 
-    _autockpt_base: type[nn.Module]
+    _autockpt_rebuild = staticmethod(_rebuild)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state: RuntimeState | None = self.__dict__.get("_autockpt")
+    def _autockpt_how(self) -> RuntimeState | None:
+        return self.__dict__.get("_autockpt")
+
+    def _autockpt_forward(self, how: RuntimeState, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> Any:
         module: nn.Module = self  # type: ignore[assignment]
-        # Eval and no_grad need no checkpoint: run the user's own forward, untouched.
-        if state is None or not module.training or not torch.is_grad_enabled():
-            return self._autockpt_base.forward(module, *args, **kwargs)
-        if not state.checked_grads:
-            _warn_if_accumulating(module, state)
-        variant, arguments = state.variant_for(module, args, kwargs)
+        if not how.checked_grads:
+            _warn_if_accumulating(module, how)
+        variant, arguments = how.variant_for(module, args, kwargs)
         return variant.run(module, args, kwargs, arguments)
 
     def _autockpt_run(self, variant_id: int, index: int, *inputs: Any) -> Any:
@@ -527,25 +274,14 @@ class _CheckpointedMixin:
         assert program is not None
         return run_segment(self, program.segments[index], state.config.mode, inputs)  # type: ignore[arg-type]
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # The generated class cannot be pickled by name: rebuild it from the user's class.
-        return (_rebuild, (self._autockpt_base,), self.__dict__.copy())
-
 
 def checkpointed_class(base: type[nn.Module]) -> type[nn.Module]:
     """The subclass of ``base`` that transformed modules have (made once per class)."""
     return generated_subclass(_CheckpointedMixin, base)
 
 
-def _rebuild(base: type[nn.Module]) -> nn.Module:
-    cls = checkpointed_class(base)
-    return cls.__new__(cls)
-
-
 def make_checkpointed(module: nn.Module, config: ApplyConfig) -> nn.Module:
     """A transformed twin of ``module`` sharing its submodules, parameters and buffers."""
-    from autockpt.trace import shallow_view
-
     twin = shallow_view(module, checkpointed_class(base_class(module)))
     for name in [k for k in twin.__dict__ if k.startswith("_autockpt_const_")]:
         del twin.__dict__[name]

@@ -29,7 +29,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import autockpt
-from autockpt import runtime
+from autockpt import runner
 from autockpt.findings import CODES, Finding, Report
 from tests.helpers import assert_same_tensors, buffers_of, grads_of, params_of
 from tests.zoo import CASES, ZooCase, get_case
@@ -662,7 +662,7 @@ def test_checkpoint_functions_restored() -> None:
     autockpt.diagnose(RawInputNet(reentrant=True), (_x(),))
     assert globals()["checkpoint"] is ORIGINALS[0]
     assert torch_checkpoint.checkpoint is ORIGINALS[0]
-    assert runtime.checkpoint is ORIGINALS[0]
+    assert runner.checkpoint is ORIGINALS[0]
     assert sys.modules["torch.utils.checkpoint"].checkpoint_sequential is ORIGINALS[1]
 
 

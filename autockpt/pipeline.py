@@ -1,0 +1,291 @@
+"""The stages of planning, in order: capture -> profile -> plan -> compile.
+
+One driver for what :func:`autockpt.plan` and the first training forward of a transformed
+module both do. Each stage hands the next a typed result:
+
+1. :func:`autockpt.capture.capture` -> a :class:`~autockpt.trace.TracedModel`, or
+   :class:`~autockpt.capture.NoGraph` when no rung of the ladder gives a graph;
+2. :func:`plan_graph` (profile on fake tensors, optionally time, plan) -> a
+   :class:`GraphPlan`; or :func:`plan_blocks` (the modules rung: hooks, blocks, plan) -> a
+   :class:`BlockPlan`; a plan given by the user is checked against the graph by
+   :func:`fit_plan` instead;
+3. :func:`compile_plan` -> a :class:`~autockpt.rewrite.Program`, the code the runtime runs
+   (with its plan, a :class:`Compiled`).
+
+:func:`build` runs them for one input signature; :mod:`autockpt.runtime` only keeps and runs
+what it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from autockpt import modules
+from autockpt.budget import DeviceBudget, device_budget
+from autockpt.capture import NoGraph, capture
+from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
+from autockpt.loss import LossFn
+from autockpt.planner import Plan, make_plan
+from autockpt.profile import profile
+from autockpt.rewrite import Program, graph_fingerprint, rewrite
+from autockpt.stats import LOSS_OP
+from autockpt.timing import time_nodes
+from autockpt.trace import TracedModel, base_class, bind_inputs, shallow_view
+from autockpt.units import format_bytes
+
+__all__ = [
+    "ApplyConfig",
+    "BlockPlan",
+    "Compiled",
+    "GraphPlan",
+    "build",
+    "compile_plan",
+    "fit_plan",
+    "make_any_plan",
+    "plan_blocks",
+    "plan_graph",
+    "resolve_budget",
+]
+
+
+@dataclass(frozen=True)
+class ApplyConfig:
+    """What ``apply`` was asked for; the same for every input size."""
+
+    budget_bytes: int | None
+    """Peak activation bytes allowed; ``None`` for the least reachable."""
+    mode: str
+    """``"non_reentrant"`` or ``"reentrant"``."""
+    strategy: str
+    """Name of the planning strategy."""
+    fixed_plan: Plan | None = None
+    """A plan given by the user: applied as it is to every input size."""
+    capture: str = "auto"
+    """How to capture the forward (see :data:`autockpt.capture.CAPTURES`)."""
+    cost: str = "flops"
+    """The recompute cost model (see :data:`autockpt.timing.COSTS`)."""
+    loss_fn: LossFn | None = None
+    """The user's loss, priced with the model (NOTE [ The loss node ] in
+    :mod:`autockpt.profile`); ``None``: the default (NOTE [ The default loss ])."""
+    grad_accumulation: bool = False
+    """Plan for steps in which the parameters' ``.grad`` already exists."""
+    total_bytes: int | None = None
+    """A budget for the whole device; the activation budget is what the step's fixed memory
+    leaves of it (:func:`autockpt.budget.device_budget`)."""
+    optimizer: Any = None
+    """The optimizer whose state ``total_bytes`` counts."""
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """Stage 2's result on a graph rung: the captured graph and its plan."""
+
+    traced: TracedModel
+    """The captured graph the plan is for."""
+    plan: Plan
+    """The plan: its segments say how each runs (dummy argument, RNG replay, buffers)."""
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Stage 2's result on the modules rung: the plan, over the blocks of a hook profile."""
+
+    plan: Plan
+    """The plan, over the chain of :attr:`profile`."""
+    profile: modules.ModuleProfile
+    """The profile whose blocks the plan checkpoints."""
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What a transformed module runs for one input signature on a graph rung."""
+
+    planned: GraphPlan
+    """The plan and the graph it is for."""
+    program: Program
+    """The compiled forward and segments."""
+
+
+def plan_blocks(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    reason: str,
+    config: ApplyConfig,
+) -> BlockPlan:
+    """The ``"modules"`` rung: profile whole submodules with hooks and plan over them.
+
+    It has no graph to time node by node: ``cost="profile"`` plans by FLOPs here, and the
+    plan's notes say so. Nor does it run the loss with the model: it prices the gradient a
+    loss sends into the output as an output-sized one, and says so."""
+    _refuse_caches(module, args, kwargs)
+    budget_bytes, device = resolve_budget(module, args, kwargs, config)
+    # The user's forward on the user's class, with the twin's block views running plainly.
+    view = shallow_view(module)
+    with modules.suspended(view), _whole_device(device):
+        plan, prof = modules.build(view, args, kwargs, budget_bytes=budget_bytes,
+                                   mode=config.mode, strategy=config.strategy,
+                                   grad_accumulation=config.grad_accumulation)
+    notes = plan.notes
+    if config.cost != "flops":
+        notes += (f"cost={config.cost!r} needs a graph to time; the modules rung planned by "
+                  "FLOPs",)
+    if config.loss_fn is not None:
+        notes += ("the modules rung cannot run loss_fn with the model: it priced an "
+                  "output-sized gradient for each output instead",)
+    return BlockPlan(replace(plan, model=base_class(module).__name__, capture="modules",
+                             capture_reason=reason, notes=notes, device=device), prof)
+
+
+def resolve_budget(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   config: ApplyConfig) -> tuple[int | None, DeviceBudget | None]:
+    """The activation budget for these inputs: ``budget_bytes``, or what the step's fixed
+    memory leaves of ``total_bytes``."""
+    if config.total_bytes is None:
+        return config.budget_bytes, None
+    device = device_budget(module, (args, kwargs), config.total_bytes, config.optimizer,
+                           subject=base_class(module).__name__)
+    return device.activation_budget_bytes, device
+
+
+@contextlib.contextmanager
+def _whole_device(device: DeviceBudget | None) -> Iterator[None]:
+    """Say what an activation budget that does not fit means for the whole device."""
+    try:
+        yield
+    except InfeasibleBudgetError as err:
+        if device is None:
+            raise
+        least = device.fixed_bytes + err.min_feasible_bytes
+        raise InfeasibleBudgetError(
+            f"the step needs at least {format_bytes(least)} of total_mb "
+            f"({format_bytes(device.total_bytes)}): {format_bytes(device.fixed_bytes)} fixed "
+            f"(parameters {format_bytes(device.parameter_bytes)}, gradients "
+            f"{format_bytes(device.gradient_bytes)}, {device.optimizer} state "
+            f"{format_bytes(device.optimizer_state_bytes)}, inputs "
+            f"{format_bytes(device.input_bytes)}) and {format_bytes(err.min_feasible_bytes)} "
+            f"of activations at the least",
+            budget_bytes=device.total_bytes, min_feasible_bytes=least,
+            fix=f"pass total_mb={-(-least * 100 // 2**20) / 100} or more, or use a smaller "
+            "batch",
+        ) from err
+
+
+def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A block that appends to a key/value cache would append twice when it is recomputed:
+    the gradients stay right but the cache the model returns is wrong, silently. Hugging
+    Face turns the cache off when it checkpoints; here the user must."""
+    use_cache = bind_inputs(module, args, kwargs).get("use_cache")
+    config = getattr(module, "config", None)
+    if use_cache is None and config is not None:
+        use_cache = getattr(config, "use_cache", None)
+    if use_cache is True:
+        raise InvalidArgumentError(
+            f"{base_class(module).__name__} is called with use_cache=True: checkpointing its "
+            "blocks would add every key/value to the cache twice when they are recomputed",
+            fix="pass use_cache=False in the training batch (or set model.config.use_cache = "
+            "False); torch.export can then capture the model too",
+        )
+
+
+def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  config: ApplyConfig) -> Plan:
+    """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
+    does)."""
+    traced = capture(module, args, kwargs, config.capture)
+    if isinstance(traced, NoGraph):
+        return plan_blocks(module, args, kwargs, traced.reason, config).plan
+    return plan_graph(module, traced, bind_inputs(module, args, kwargs), config).plan
+
+
+def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any],
+               config: ApplyConfig) -> GraphPlan:
+    """Profile a captured graph and the loss on fake tensors and plan it. With
+    ``cost="profile"`` the nodes are also timed on the real device and the planner weighs
+    recompute by time."""
+    budget_bytes, device = resolve_budget(module, (), arguments, config)
+    inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
+    stats = profile(traced, inputs, loss_fn=config.loss_fn)
+    if config.cost == "profile":
+        times = iter(time_nodes(traced, inputs))
+        # The loss node is the user's code, never recomputed: it needs no time.
+        stats = replace(stats, nodes=tuple(
+            replace(node, time_ns=0 if node.op == LOSS_OP else next(times))
+            for node in stats.nodes))
+    with _whole_device(device):
+        plan = make_plan(stats, budget_bytes, strategy=config.strategy, mode=config.mode,
+                         model=base_class(module).__name__,
+                         grad_accumulation=config.grad_accumulation)
+    plan = replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
+                   capture=traced.capture, capture_reason=traced.capture_reason,
+                   cost_model=config.cost, device=device)
+    return GraphPlan(traced, plan)
+
+
+def fit_plan(plan: Plan, traced: TracedModel) -> GraphPlan:
+    """``plan`` (given, not made here) for ``traced``; raise if it was made for another graph.
+
+    Raises:
+        AutockptError: the graph has another node count or fingerprint than the plan's.
+    """
+    count = len(traced.graph.nodes)
+    fingerprint = graph_fingerprint(traced.graph)
+    if plan.node_count != count or (plan.graph_fingerprint
+                                    and plan.graph_fingerprint != fingerprint):
+        raise AutockptError(
+            f"the plan was made for a different graph ({plan.model}, {plan.node_count} nodes, "
+            f"fingerprint {plan.graph_fingerprint or '?'}) than this model traces to "
+            f"({count} nodes, fingerprint {fingerprint})",
+            fix="make the plan with autockpt.plan() on this model, with inputs that take the "
+            "same branches (None arguments and flags must match)",
+        )
+    return GraphPlan(traced, plan)
+
+
+def compile_plan(module: nn.Module, planned: GraphPlan, variant_id: int) -> Program:
+    """Compile ``planned`` and attach the tracer's tensor constants to ``module``."""
+    traced = planned.traced
+    constant_names = {}
+    for i, (name, value) in enumerate(sorted(traced.constants.items())):
+        new_name = f"_autockpt_const_{variant_id}_{i}"
+        constant_names[name] = new_name
+        module.__dict__[new_name] = value
+    return rewrite(traced.graph, planned.plan, variant_id, constant_names=constant_names)
+
+
+def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+          arguments: dict[str, Any], config: ApplyConfig, known: Plan | None, variant_id: int
+          ) -> Compiled | BlockPlan:
+    """All the stages for one input signature of ``module``: capture, then plan (or fit
+    ``known``, or the config's fixed plan) and compile, or plan the modules rung.
+
+    Args:
+        module: the transformed module (its constants are attached to it).
+        args, kwargs: the call's inputs.
+        arguments: the same, bound to the forward's parameters.
+        config: what ``apply`` was asked for.
+        known: a plan already made for this signature (a module restored from a pickle).
+        variant_id: the number the runtime knows the compiled program by.
+
+    Raises:
+        AutockptError: a given plan does not fit the graph, or a modules-rung plan names
+            blocks the profile does not have.
+    """
+    plan = known if known is not None else config.fixed_plan
+    # A given plan is re-applied to a graph captured the way it was made.
+    method = plan.capture if plan is not None else config.capture
+    traced = capture(module, args, kwargs, method)
+    if isinstance(traced, NoGraph):
+        made = plan_blocks(module, args, kwargs, traced.reason, config)
+        if plan is None:
+            return made
+        modules.blocks_of_plan(made.profile, plan)  # a given plan must name these blocks
+        return BlockPlan(plan, made.profile)
+    planned = (fit_plan(plan, traced) if plan is not None
+               else plan_graph(module, traced, arguments, config))
+    return Compiled(planned, compile_plan(module, planned, variant_id))

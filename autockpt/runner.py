@@ -1,0 +1,265 @@
+"""The one segment runner: a checkpointed segment of any rung runs through :func:`run_checkpointed`.
+
+The graph rungs (a segment function compiled by :mod:`autockpt.rewrite`, called by
+:mod:`autockpt.runtime`) and the modules rung (a block's own forward, called by
+:mod:`autockpt.modules`) both hand it a function of tensors and what the plan decided for
+that segment; it calls ``torch.utils.checkpoint.checkpoint`` with the dummy argument, the RNG
+replay and the buffer guard, and tells the observers (:func:`observe_segments`) what runs.
+
+# NOTE [ Recompute must not update buffers twice ]
+Checkpoint recomputes a segment's forward in backward. A BatchNorm in train mode would update
+its running statistics (and ``num_batches_tracked``) a second time (pytorch/pytorch#96136, both
+modes). The segment function counts its calls per checkpoint invocation: the first is the real
+forward; on any later call (the recompute) it swaps in clones of the buffers the profiler saw
+being updated in that segment, so that the recompute updates the clones, and puts the
+originals back afterwards, also when a non-reentrant recompute stops early by raising.
+
+# NOTE [ RNG only where needed ]
+``preserve_rng_state=True`` stashes and restores the CPU and CUDA RNG states around every
+recompute. It is needed for dropout to drop the same elements twice, and costs time, so it is
+only asked for in segments where the profiler saw an op that consumes the RNG.
+
+# NOTE [ The dummy argument ]
+Reentrant checkpoint only gives gradients when a tensor argument requires grad: a segment with
+trainable parameters whose inputs do not would silently leave those parameters without
+gradient. Such a segment gets a scalar that requires grad as its first argument, which its
+function drops. The plan says which segments need it (:attr:`autockpt.planner.Segment.dummy_arg`
+for the graph rungs, :attr:`autockpt.modules.BlockSpec.dummy_arg` for the modules rung).
+
+# NOTE [ Observing segments ]
+Tools that look at a step from outside (:func:`autockpt.diagnose`, the memory picture of
+:mod:`autockpt.plot`) need to know which checkpoint call is which segment, and when its
+recompute runs. The runner tells them: an observer registered with :func:`observe_segments`
+on a thread hears of every segment that thread runs under checkpoint (just before checkpoint
+is called, and when it returns) and of its recompute (around the second run of its function,
+on whatever thread backward runs it: the observers are those of the forward). Events add no
+ATen op: a tracked memory curve is the same with and without observers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from autockpt.planner import Segment
+
+__all__ = ["CheckpointedForward", "SegmentObserver", "SegmentRun", "observe_segments",
+           "run_checkpointed"]
+
+
+@dataclass(frozen=True)
+class SegmentRun:
+    """One checkpointed run of a segment, as observers hear of it."""
+
+    module: nn.Module
+    """The module whose segment runs: the transformed model (graph rungs) or the block
+    (modules rung)."""
+    segment: Segment | None
+    """The plan's row for the segment (graph rungs); ``None`` for a block of the modules rung,
+    which runs as one checkpoint per block (NOTE [ One checkpoint per block ] in
+    :mod:`autockpt.modules`)."""
+    block: str
+    """The block's qualified name (modules rung); ``""`` for the graph rungs."""
+    mode: str
+    """``"non_reentrant"`` or ``"reentrant"``."""
+    dummy_arg: bool
+    """Whether the checkpoint call gets the dummy argument first (NOTE [ The dummy argument ])."""
+
+
+class SegmentObserver:
+    """Hears of the segments run under checkpoint (NOTE [ Observing segments ]).
+
+    Subclass it and override the methods you need; each does nothing by default.
+    """
+
+    def segment_started(self, run: SegmentRun, inputs: tuple[Any, ...]) -> None:
+        """Just before checkpoint is called on the segment's ``inputs`` in forward."""
+
+    def segment_finished(self, run: SegmentRun) -> None:
+        """When that checkpoint call returns or raises."""
+
+    def recompute_started(self, run: SegmentRun) -> None:
+        """Just before the segment's function runs again in backward (buffers swapped)."""
+
+    def recompute_finished(self, run: SegmentRun) -> None:
+        """When the recompute returns or raises (also when a non-reentrant one stops early)."""
+
+
+_LOCAL = threading.local()
+_O = TypeVar("_O", bound=SegmentObserver)
+
+
+def _observers() -> tuple[SegmentObserver, ...]:
+    return getattr(_LOCAL, "observers", ())
+
+
+@contextlib.contextmanager
+def observe_segments(observer: _O) -> Iterator[_O]:
+    """Tell ``observer`` of the segments this thread runs under checkpoint within the block.
+
+    Example:
+        >>> class Count(SegmentObserver):
+        ...     runs = 0
+        ...     def segment_started(self, run, inputs):
+        ...         self.runs += 1
+        >>> with observe_segments(Count()) as count:
+        ...     pass
+        >>> count.runs
+        0
+    """
+    previous = _observers()
+    _LOCAL.observers = (*previous, observer)
+    try:
+        yield observer
+    finally:
+        _LOCAL.observers = previous
+
+
+def run_checkpointed(
+    run: SegmentRun,
+    fn: Callable[..., Any],
+    inputs: tuple[Any, ...],
+    *,
+    preserve_rng: bool,
+    buffers: Sequence[str],
+) -> Any:
+    """``fn(*inputs)`` under ``torch.utils.checkpoint.checkpoint`` as the plan says.
+
+    Args:
+        run: the segment, its module, mode and whether it gets the dummy argument.
+        fn: the segment's function of ``inputs``.
+        inputs: its arguments; checkpoint keeps the tensors among them for the recompute.
+        preserve_rng: stash and replay the RNG state (NOTE [ RNG only where needed ]).
+        buffers: buffers the segment updates, qualified from ``run.module``: clones take
+            their place during the recompute (NOTE [ Recompute must not update buffers
+            twice ]).
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> run = SegmentRun(lin, None, "", "reentrant", dummy_arg=True)
+        >>> out = run_checkpointed(run, lin, (torch.randn(3, 2),), preserve_rng=False,
+        ...                        buffers=())
+        >>> out.sum().backward()
+        >>> lin.weight.grad is not None
+        True
+    """
+    observers = _observers()
+    guarded = _guarded(run, fn, buffers, observers)
+    for observer in observers:
+        observer.segment_started(run, inputs)
+    try:
+        if run.mode != "reentrant":
+            return checkpoint(guarded, *inputs, use_reentrant=False,
+                              preserve_rng_state=preserve_rng)
+        if not run.dummy_arg:
+            return checkpoint(guarded, *inputs, use_reentrant=True,
+                              preserve_rng_state=preserve_rng)
+        dummy = torch.empty((), device=_device_of(run.module, inputs), requires_grad=True)
+        return checkpoint(_drop_first(guarded), dummy, *inputs, use_reentrant=True,
+                          preserve_rng_state=preserve_rng)
+    finally:
+        for observer in observers:
+            observer.segment_finished(run)
+
+
+def _guarded(run: SegmentRun, fn: Callable[..., Any], buffers: Sequence[str],
+             observers: tuple[SegmentObserver, ...]) -> Callable[..., Any]:
+    """The segment's function for one checkpoint call; see NOTE [ Recompute must not update
+    buffers twice ]."""
+    calls = 0
+
+    def guarded(*inputs: Any) -> Any:
+        nonlocal calls
+        if torch.compiler.is_compiling():
+            # Under torch.compile the segment is traced once into checkpoint's higher-order
+            # op and the recompute is done by the compiled backward, never by calling this
+            # function again, so there is no second call to guard. Counting here would be a
+            # side effect outside the op, which makes dynamo graph-break and run every
+            # checkpointed segment uncompiled.
+            return fn(*inputs)
+        calls += 1
+        if calls == 1:
+            return fn(*inputs)
+        # The recompute updates clones; the real buffers keep the values (and the version
+        # counters) the forward left. Copying values back instead would bump the version of a
+        # buffer the recomputed graph saved, and backward would refuse to run.
+        slots = []
+        for qualname in buffers:
+            owner_path, _, name = qualname.rpartition(".")
+            owner = run.module.get_submodule(owner_path)
+            original = owner._buffers.get(name)
+            slots.append((owner, name, original))
+            if original is not None:
+                owner._buffers[name] = original.clone()
+        try:
+            for observer in observers:
+                observer.recompute_started(run)
+            try:
+                return fn(*inputs)
+            finally:
+                for observer in observers:
+                    observer.recompute_finished(run)
+        finally:
+            for owner, name, original in slots:
+                owner._buffers[name] = original
+
+    return guarded
+
+
+def _drop_first(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(_dummy: torch.Tensor, *inputs: Any) -> Any:
+        return fn(*inputs)
+
+    return run
+
+
+def _device_of(module: nn.Module, inputs: tuple[Any, ...]) -> torch.device:
+    """Where the dummy argument goes: with the first tensor input, else with the module."""
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+class CheckpointedForward:
+    """The methods autockpt's generated subclasses add to the user's class (through
+    :func:`autockpt.trace.generated_subclass`); only ``forward`` changes behaviour.
+
+    A subclass says what one instance checkpoints (:meth:`_autockpt_how`, ``None`` for
+    nothing), how (:meth:`_autockpt_forward`), and how unpickling rebuilds an instance
+    (:attr:`_autockpt_rebuild`).
+    """
+
+    _autockpt_base: type[nn.Module]
+    _autockpt_rebuild: Callable[[type[nn.Module]], nn.Module]
+    """A module-level function (a ``staticmethod`` of the subclass) making an empty instance of
+    the generated subclass of a user's class; pickles name it by module and name, so it stays
+    where saved files expect it."""
+
+    def _autockpt_how(self) -> Any:
+        """What this instance checkpoints (its per-instance state), or ``None``."""
+        raise NotImplementedError
+
+    def _autockpt_forward(self, how: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward that checkpoints what ``how`` says."""
+        raise NotImplementedError
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module: nn.Module = self  # type: ignore[assignment]
+        how = self._autockpt_how()
+        # Eval and no_grad need no checkpoint: the user's own forward, untouched.
+        if how is None or not module.training or not torch.is_grad_enabled():
+            return self._autockpt_base.forward(module, *args, **kwargs)
+        return self._autockpt_forward(how, args, kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The generated class cannot be pickled by name: rebuild it from the user's class.
+        return (self._autockpt_rebuild, (self._autockpt_base,), self.__dict__.copy())
