@@ -709,3 +709,17 @@ def test_sampler_validation() -> None:
     raises_ours(
         lambda: s.load_state_dict({"epoch": 0, "position": 0, "seed": 2}), "seed=2", "seed=1"
     )
+
+
+def test_the_old_import_path_still_works_and_says_where_to_import_from() -> None:
+    import importlib
+
+    import autockpt.training
+
+    with pytest.warns(DeprecationWarning, match="autockpt.training"):
+        import autockpt.checkpoints as old
+
+        importlib.reload(old)
+    assert old.__all__ == autockpt.training.__all__
+    for name in old.__all__:
+        assert getattr(old, name) is getattr(autockpt.training, name), name
