@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from autockpt.errors import InvalidArgumentError
+from autockpt.report import format_findings
 
 __all__ = ["CODES", "SEVERITIES", "Finding", "Report"]
 
@@ -153,6 +154,4 @@ class Report:
         return len(self.findings)
 
     def __str__(self) -> str:
-        from autockpt.report import format_findings
-
         return format_findings(self)

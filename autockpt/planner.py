@@ -35,6 +35,7 @@ from autockpt.memory_model import (Ranges, Tree, as_tree, estimate_peak, estimat
                                    flatten_tree, recompute_cost, tree_depth)
 from autockpt.nested import nested_plans
 from autockpt.optimal import least_peak, optimal_ranges
+from autockpt.report import format_plan
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile
 
 __all__ = ["Segment", "Plan", "make_plan", "STRATEGIES", "MODES", "BUDGET_SLACK"]
@@ -159,8 +160,6 @@ class Plan:
         return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
 
     def __str__(self) -> str:
-        from autockpt.report import format_plan
-
         return format_plan(self)
 
 

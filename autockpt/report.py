@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING
 
 from autockpt.units import format_bytes, format_flops
 
+# NOTE [ Rendering sits above the data it renders ]
+# planner (Plan, Segment) and findings (Report) import this module to render themselves in
+# __str__; this module needs their types for annotations only, so it imports them for type
+# checkers alone and at run time depends on nothing but units: the import graph runs one way.
 if TYPE_CHECKING:
     from autockpt.findings import Report
     from autockpt.planner import Plan, Segment
