@@ -18,23 +18,10 @@ from __future__ import annotations
 
 import warnings
 
-from autockpt.training import (CheckpointFallbackWarning, CheckpointManager, CheckpointRecord,
-                               CheckpointWarning, LoadResult, ResumableSampler, ShapeMismatch,
-                               TrainingState, load_checkpoint, load_state_dict, save_checkpoint)
+from autockpt import training
+from autockpt.training import *  # noqa: F403  (the same names, re-exported)
 
-__all__ = [
-    "CheckpointFallbackWarning",
-    "CheckpointManager",
-    "CheckpointRecord",
-    "CheckpointWarning",
-    "LoadResult",
-    "ResumableSampler",
-    "ShapeMismatch",
-    "TrainingState",
-    "load_checkpoint",
-    "load_state_dict",
-    "save_checkpoint",
-]
+__all__ = list(training.__all__)
 
 warnings.warn(
     "autockpt.checkpoints moved to autockpt.training: import from autockpt.training (or the "
