@@ -16,8 +16,12 @@ one of three kinds:
 * *crossing* exactly one cut, from stage ``c-1`` to stage ``c``: counted at that
   :class:`Cut` by which of the two stages saves it;
 * *long-lived* (read more than one stage later, like an attention mask, or part of the
-  model's output): ``Stage.long_lived_bytes`` or ``Stage.output_bytes`` of its producer,
-  held from there on whatever the plan. This is conservative.
+  model's output) and saved for backward by some node, or part of the model's output:
+  ``Stage.long_lived_bytes`` or ``Stage.output_bytes`` of its producer, held from there on
+  whatever the plan. This is conservative.
+* *passing*: read more than one stage later and saved by no node (a concatenated skip
+  tensor): a :class:`Passing` record, alive in forward until its last reader and held for
+  backward only by the checkpointed segments that read it.
 """
 
 # NOTE [ Gradients in backward ]
@@ -40,12 +44,13 @@ one of three kinds:
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autockpt.stats import LOSS_OP, NodeStat, Profile, node_cost
 
-__all__ = ["ForwardPeaks", "Stage", "Cut", "Chain", "MAX_STAGES", "build_chain"]
+__all__ = ["ForwardPeaks", "Stage", "Cut", "Passing", "Chain", "MAX_STAGES", "build_chain"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ class Stage:
     """FLOPs of its nodes."""
     carries_grad: bool
     """Whether any of its nodes produces a tensor that requires grad (never the loss's stage:
-    the loss is the user's code, not a segment)."""
+    the loss is the user's code, not a segment; never the inputs' stage)."""
     saved_bytes: int
     """Bytes of its internal storages that it saves for backward: held until its backward
     when it is not checkpointed, freed in forward and saved again by the recompute when it
@@ -111,10 +116,16 @@ class Stage:
     forward: ForwardPeaks
     """Its forward peaks, plain and checkpointed."""
     tail_cost: int = 0
-    """Cost of its trailing nodes that a non-reentrant recompute ending with this stage
-    skips (see NOTE [ A non-reentrant recompute stops early ])."""
+    """Cost of the trailing nodes that a non-reentrant recompute ending with this stage
+    skips (see NOTE [ A non-reentrant recompute stops early ]): its own, and those of the
+    stages before it when it saves nothing. A segment is spared at most its own cost."""
     tail_flops: int = 0
     """FLOPs of those nodes."""
+    passing_bytes: int = 0
+    """Bytes of the passing storages alive through its forward: made by an earlier stage, read
+    by this one or a later one (see :class:`Passing`)."""
+    passing_made_bytes: int = 0
+    """Bytes of the passing storages it makes."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +161,22 @@ class Cut:
 
 
 @dataclass(frozen=True)
+class Passing:
+    """A storage that nobody saves for backward, read more than one stage after the stage
+    that makes it (a feature map a DenseNet concatenates again in every later layer, a skip
+    tensor a UNet's decoder concatenates). In forward it lives until its last reader; in
+    backward it is held only by a checkpointed segment that reads it, as one of the
+    segment's inputs (see NOTE [ Passing storages ] in :mod:`autockpt.memory_model`)."""
+
+    producer: int
+    """The stage that makes it."""
+    readers: tuple[int, ...]
+    """The later stages that read it, ascending."""
+    size_bytes: int
+    """Its size."""
+
+
+@dataclass(frozen=True)
 class Chain:
     """A graph restated as a chain of stages, in plain numbers.
 
@@ -161,6 +188,8 @@ class Chain:
     """The stages, in graph order."""
     cuts: tuple[Cut, ...]
     """The cuts, in graph order: ``cuts[c]`` lies before ``stages[c]``."""
+    passing: tuple[Passing, ...] = ()
+    """The passing storages, by producer."""
 
 
 # --------------------------------------------------------------------------- building
@@ -171,13 +200,16 @@ def _candidate_cuts(nodes: Sequence[NodeStat]) -> list[int]:
     A cut is allowed unless a container of tensors crosses it (reentrant checkpoint would lose
     their gradients) or it separates a tensor from an in-place op on it. It is cheap where no
     more gradient-carrying tensors cross than at the cheapest cut: block boundaries. Tensors
-    that carry no gradient (a mask built from token ids) do not count.
+    that carry no gradient (a mask built from token ids) do not count. A long stretch between
+    two cheap cuts is searched again for its own block boundaries, not counting the tensors
+    that cross all of it (see NOTE [ Block boundaries under skip connections ]).
     """
     n = len(nodes)
     last = n - 1  # the output node
     first = 1 + max((s.index for s in nodes if s.op == "placeholder"), default=-1)
     diff_forbid = [0] * (n + 2)
-    diff_grad = [0] * (n + 2)
+    # The cuts each gradient-carrying tensor crosses, as (first, last).
+    spans: list[tuple[int, int]] = []
     for node in nodes:
         if node.op in ("get_attr", "output") or not node.users:
             continue
@@ -188,21 +220,76 @@ def _candidate_cuts(nodes: Sequence[NodeStat]) -> list[int]:
             diff_forbid[lo] += 1
             diff_forbid[hi + 1] -= 1
         if node.output_kind == "tensor" and node.requires_grad:
-            diff_grad[lo] += 1
-            diff_grad[hi + 1] -= 1
+            spans.append((lo, hi))
         for producer in node.mutated_inputs:
             diff_forbid[producer + 1] += 1
             diff_forbid[node.index + 1] -= 1
-    forbid = grads = 0
-    allowed: list[tuple[int, int]] = []
+    forbid = 0
+    allowed: list[int] = []
     for c in range(n + 1):
         forbid += diff_forbid[c]
-        grads += diff_grad[c]
         if first <= c < last and forbid == 0:
-            allowed.append((c, grads))
-    threshold = max(1, min((g for _, g in allowed if g > 0), default=1))
-    return [c for c, g in allowed if g <= threshold]
+            allowed.append(c)
+    if not allowed:
+        return []
+    cost = [0]
+    for node in nodes:
+        cost.append(cost[-1] + node_cost(node) + 1)
+    # A stretch holding less than this share of the graph's cost is not searched again.
+    least_cost = cost[-1] // _REFINE_SHARE
+    found: list[int] = []
+    # Stretches to search: (index of its first allowed cut, one past its last, the two
+    # cuts bounding it). The graph's ends bound the first: no tensor crosses both.
+    todo: list[tuple[int, int, int, int]] = [(0, len(allowed), 0, n)]
+    while todo:
+        i, j, lo, hi = todo.pop()
+        inside = allowed[i:j]
+        diff = [0] * (len(inside) + 1)
+        for a, b in spans:
+            if a <= lo and b >= hi:
+                continue  # crosses the whole stretch: held whatever the cuts inside
+            # The allowed cuts in [a, b] among ``inside``.
+            x, y = bisect_left(inside, a), bisect_right(inside, b)
+            if x < y:
+                diff[x] += 1
+                diff[y] -= 1
+        counts: list[int] = []
+        running = 0
+        for k in range(len(inside)):
+            running += diff[k]
+            counts.append(running)
+        threshold = max(1, min((g for g in counts if g > 0), default=1))
+        picked = [i + k for k, g in enumerate(counts) if g <= threshold]
+        found.extend(allowed[k] for k in picked)
+        bounds = [i - 1, *picked, j]
+        for a, b in zip(bounds, bounds[1:]):
+            if b - a <= 2:
+                continue  # at most one allowed cut between: nothing to choose
+            left = allowed[a] if a >= i else lo
+            right = allowed[b] if b < j else hi
+            if cost[right] - cost[left] > least_cost:
+                todo.append((a + 1, b, left, right))
+    return sorted(set(found))
 
+
+_REFINE_SHARE = 8
+"""A stretch between two cheap cuts holding more than ``1 / _REFINE_SHARE`` of the graph's
+cost is searched again for cuts of its own (NOTE [ Block boundaries under skip connections ])."""
+
+
+# NOTE [ Block boundaries under skip connections ]
+# Block boundaries are where the fewest gradient-carrying tensors cross. In a chain of blocks
+# that is one tensor, and every block boundary qualifies. A skip connection raises the count
+# over everything it spans: a UNet's encoder output at each resolution is read by the decoder
+# at the same resolution, and a time embedding or an encoder output is read by every block.
+# Counted over the whole graph, the only cheapest cuts of a UNet lie before its first layer
+# and after its last, and the planner had nothing in between to choose from. So a stretch
+# between two cheap cuts that holds a large share of the graph is searched again on its own,
+# without the tensors that cross all of it: those are held through the stretch whatever is
+# checkpointed inside (the memory model counts them as long-lived), so they cost nothing
+# extra at any boundary inside it. One level of skips is peeled off each time, and the
+# block boundaries of each resolution show up. Chains of blocks are searched too but
+# rarely change: their stretches are single blocks.
 
 # NOTE [ A non-reentrant recompute stops early ]
 # Non-reentrant checkpoint stops its recompute as soon as every tensor the segment saved in
@@ -357,7 +444,11 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     """
     nodes = profile.nodes
     n = len(nodes)
-    cuts = sorted({0, n - 1, *(c for c in _candidate_cuts(nodes) if c > 0), *_loss_cut(profile)})
+    # The inputs stand alone in the first stage, never checkpointed: a cut right after them
+    # even where an input that requires grad is read far into the graph.
+    first = 1 + max((s.index for s in nodes if s.op == "placeholder"), default=-1)
+    cuts = sorted({0, n - 1, *(c for c in _candidate_cuts(nodes) if c > 0), *_loss_cut(profile),
+                   *((first,) if 0 < first < n - 1 else ())})
     cuts = _merge_aliases(profile, cuts)
     cuts = _join_gradless_gaps(profile, cuts)
     cuts = _coarsen(profile, cuts, max_stages)
@@ -372,6 +463,10 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     long_lived = [0] * count
     long_lived_saved = [0] * count
     outputs = [0] * count
+    # Per stage, Stage's ``passing_bytes`` and ``passing_made_bytes``.
+    passing_alive = [0] * count
+    made = [0] * count
+    passing: list[Passing] = []
     # Per cut, the bytes of Cut's fields ``saved_by_*``.
     by_producer, by_reader, by_both, by_neither = ([0] * (count + 1) for _ in range(4))
     # Per stage, (first node that saves it, bytes) of its internal saved storages.
@@ -390,7 +485,16 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
         last_node = max([u for u in st.users if u < n - 1], default=st.producer)
         end_in_stage = min(last_node, spans[p][1] - 1)
         size = st.size_bytes
-        if st.is_output or reach > p + 1:
+        if reach > p + 1 and not st.is_output and not savers:
+            made[p] += size
+            for t in range(p + 1, reach + 1):
+                passing_alive[t] += size
+            passing.append(Passing(producer=p, readers=tuple(u for u in users if u > p),
+                                   size_bytes=size))
+            span = (st.producer, spans[p][1] - 1, size)
+            held_plain[p].append(span)
+            held_ckpt[p].append(span)
+        elif st.is_output or reach > p + 1:
             if st.is_output:
                 outputs[p] += size
             else:
@@ -439,7 +543,10 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             while k and saved_spans[k - 1][0] >= u:
                 k -= 1
                 alive -= saved_spans[k][1]
-        tail_cost, tail_flops, stop = _tails(profile, lo, hi, saves_own, saves_any)
+        # The tail may reach back into earlier stages (a stage that saves nothing is skipped
+        # whole); a segment is spared at most all of its own nodes.
+        tail_cost, tail_flops, stop = _tails(profile, 0, hi, saves_own, saves_any)
+        stop = max(stop, lo)
         forward = ForwardPeaks(
             plain_bytes=_sweep(nodes, lo, hi, held_plain[s]),
             checkpointed_bytes=_sweep(nodes, lo, hi, held_ckpt[s]),
@@ -453,18 +560,20 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             flops=sum(m.flops for m in members),
             # The loss is the user's code, never a segment: its stage carries no gradient.
             carries_grad=any(m.requires_grad for m in members)
-            and all(m.op != LOSS_OP for m in members),
+            and all(m.op not in (LOSS_OP, "placeholder") for m in members),
             saved_bytes=saved[s], long_lived_bytes=long_lived[s],
             long_lived_saved_bytes=long_lived_saved[s], output_bytes=outputs[s],
             grad_entry_bytes=entry[s], backward_peak_bytes=backward_peak, forward=forward,
-            tail_cost=tail_cost, tail_flops=tail_flops,
+            tail_cost=tail_cost, tail_flops=tail_flops, passing_bytes=passing_alive[s],
+            passing_made_bytes=made[s],
         ))
     return Chain(stages=tuple(stages),
                  cuts=tuple(Cut(saved_by_producer_bytes=by_producer[c],
                                 saved_by_reader_bytes=by_reader[c],
                                 saved_by_both_bytes=by_both[c],
                                 saved_by_neither_bytes=by_neither[c])
-                            for c in range(count + 1)))
+                            for c in range(count + 1)),
+                 passing=tuple(passing))
 
 
 def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,

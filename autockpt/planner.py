@@ -439,7 +439,8 @@ def _describe(
                 boundary_bytes=sum(st.size_bytes for st in inputs),
                 freed_bytes=freed,
                 recompute_flops=sum(m.flops for m in members)
-                - (stages[b].tail_flops if mode == "non_reentrant" else 0),
+                - (min(sum(m.flops for m in members), stages[b].tail_flops)
+                   if mode == "non_reentrant" else 0),
                 dummy_arg=mode == "reentrant"
                 and not input_grad
                 and any(m.trainable for m in members),

@@ -21,7 +21,7 @@ from torch import nn
 
 import autockpt
 from autockpt.planner import BUDGET_SLACK
-from tests.helpers import MODES, Step, assert_same_step, train_step
+from tests.helpers import MODES, Step, assert_same_step, assert_same_step_in_float64, train_step
 from tests.models.corpus import CASES, CorpusCase
 
 pytestmark = pytest.mark.models
@@ -99,8 +99,13 @@ def test_checkpointed_training_step(case: CorpusCase, budget: str, mode: str) ->
     assert plan.budget_bytes == budget_bytes
     assert plan.estimated_peak_bytes <= budget_bytes
     _assert_same_module_tree(model, transformed)
-    expected = _step(reference, case)
-    assert_same_step(_step(transformed, case), expected, what=f"{what} ", allow_none=True)
+    if mode == "reentrant":
+        # NOTE [ Gradients summed in another order ] in tests/helpers.py
+        assert_same_step_in_float64(lambda: case.build(BUILD_SEED), plan, case.loss_fn, args,
+                                    kwargs, what=f"{what} ", seed=STEP_SEED)
+    else:
+        expected = _step(reference, case)
+        assert_same_step(_step(transformed, case), expected, what=f"{what} ", allow_none=True)
 
     report = autockpt.measure(transformed, args, example_kwargs=kwargs, loss_fn=case.loss_fn)
     assert report.peak_activation_bytes <= budget_bytes * (1 + BUDGET_SLACK), (

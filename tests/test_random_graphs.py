@@ -1,0 +1,104 @@
+"""Randomly generated general graphs: layers with fan-out, skips of random length,
+concatenations, gating, norms, dropout, frozen branches, several inputs, inputs that require
+grad. On each: no internal error, gradients (inputs' included) equal to an untransformed twin's,
+the estimate within 5% of the measured peak where the inputs do not require grad, and the least
+memory reached reported (``pytest --hypothesis-show-statistics``)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, Phase, event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import autockpt  # noqa: E402
+from tests.helpers import assert_same_tensors, grads_of  # noqa: E402
+from tests.random_graphs import (  # noqa: E402
+    COMBINES,
+    OPS,
+    GraphSpec,
+    LayerSpec,
+    build,
+    cross_entropy,
+    example_inputs,
+)
+
+ESTIMATE_TOLERANCE = 0.05
+"""The estimate may fall this far below the measured peak, no further."""
+OVER_ESTIMATE = {"non_reentrant": 1.10, "reentrant": 1.35}
+"""How far above the measured peak the estimate may be (see the known gaps below)."""
+EXAMPLES = 40
+
+
+@st.composite
+def graph_specs(draw: st.DrawFn) -> GraphSpec:
+    inputs = draw(st.integers(1, 3))
+    count = draw(st.integers(4, 20))
+    layers = []
+    for k in range(count):
+        available = inputs + k
+        latest = available - 1
+        extra = draw(st.lists(st.integers(0, latest), max_size=2, unique=True))
+        reads = tuple(sorted({latest, *extra}))
+        layers.append(LayerSpec(reads=reads, combine=draw(st.sampled_from(COMBINES)),
+                                op=draw(st.sampled_from(OPS)),
+                                frozen=draw(st.integers(0, 5)) == 0))
+    return GraphSpec(inputs=inputs, inputs_require_grad=draw(st.booleans()), layers=tuple(layers),
+                     batch=draw(st.sampled_from((64, 256))))
+
+
+def _step(model: torch.nn.Module, spec: GraphSpec) -> tuple[torch.Tensor, dict, list]:
+    inputs = example_inputs(spec)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(99)
+    loss = cross_entropy(spec)(model(*inputs))
+    loss.backward()
+    return loss.detach(), grads_of(model), [x.grad for x in inputs]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          phases=(Phase.explicit, Phase.generate),
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(spec=graph_specs(), mode=st.sampled_from(("non_reentrant", "reentrant")),
+       fraction=st.sampled_from((None, 0.5, 0.75)))
+def test_random_graph_trains_exactly_and_is_estimated_well(spec: GraphSpec, mode: str,
+                                                           fraction: float | None) -> None:
+    reference, model = build(spec), build(spec)
+    args = example_inputs(spec)
+    loss_fn = cross_entropy(spec)
+    probe = autockpt.plan(model, args, mode=mode, loss_fn=loss_fn)
+    budget = None if fraction is None else max(probe.min_peak_bytes,
+                                               int(probe.baseline_peak_bytes * fraction))
+    with contextlib.redirect_stdout(io.StringIO()):
+        transformed = autockpt.apply(model, None if budget is None else budget / 2**20,
+                                     example_inputs=args, mode=mode, loss_fn=loss_fn)
+    plan = autockpt.plan_of(transformed)
+    loss, grads, input_grads = _step(transformed, spec)
+    want_loss, want_grads, want_input_grads = _step(reference, spec)
+    torch.testing.assert_close(loss, want_loss)
+    assert_same_tensors(grads, want_grads, what="grad ", allow_none=True)
+    for got, want in zip(input_grads, want_input_grads):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want)
+    measured = autockpt.measure(transformed, args, loss_fn=loss_fn).peak_activation_bytes
+    estimated = plan.estimated_peak_bytes
+    if not spec.inputs_require_grad:
+        # Known gaps, both noted on issue 14: with inputs that require grad and segments
+        # reading them the estimate can miss their gradients, and with segments sharing
+        # inputs it can count a storage twice (OVER_ESTIMATE). Gradients are exact either way.
+        low, high = measured * (1 - ESTIMATE_TOLERANCE), measured * OVER_ESTIMATE[mode]
+        assert low <= estimated <= high, (
+            f"{mode}, {len(plan.segments)} segments: estimated {estimated} B, measured "
+            f"{measured} B"
+        )
+    if fraction is None:
+        baseline = autockpt.measure(reference, args, loss_fn=loss_fn).peak_activation_bytes
+        event(f"least memory ({mode}): {10 * (10 * measured // baseline)}-"
+              f"{10 * (10 * measured // baseline) + 10}% of the baseline")
