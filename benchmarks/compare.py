@@ -15,7 +15,10 @@ output-sized gradient and the loss's own saved tensors, so neither the budgets a
 given nor the peaks measured would be those of the step a user runs. The table's ``loss``
 column and the JSON's ``loss`` field say which loss each row used.
 
-    python benchmarks/compare.py                       # mlp72, gpt, vit (+ resnet50 if torchvision imports)
+    python benchmarks/compare.py                       # mlp72, gpt, vit (+ resnet50, unet2d if
+                                                       # torchvision, diffusers import)
+    python benchmarks/compare.py --models unet2d       # diffusers' UNet2DModel against its
+                                                       # enable_gradient_checkpointing()
     python benchmarks/compare.py --models mlp72 --repeat 3 --json out.json --plot-dir out/
     python benchmarks/compare.py --compile             # adds torch.compile with a memory budget
 
@@ -203,7 +206,8 @@ def run_model(name: str, repeat: int, compile_budgets: bool,
               flush=True)
         return row
 
-    alternatives = _alternatives(base, compile_budgets)
+    alternatives = (spec.alternatives(base) if spec.alternatives is not None
+                    else _alternatives(base, compile_budgets))
     measured = []
     for method, model, note in alternatives:
         if method.startswith("torch.compile"):
@@ -356,12 +360,18 @@ def plot(rows: list[Row], directory: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = [m for m in MODELS if m != "resnet50"]
+    default = [m for m in MODELS if m not in ("resnet50", "unet2d")]
     try:
         import torchvision  # noqa: F401
 
         default.append("resnet50")
     except Exception:  # torchvision missing or built for another torch
+        pass
+    try:
+        import diffusers  # noqa: F401
+
+        default.append("unet2d")
+    except Exception:  # diffusers missing (pip install -e ".[models]")
         pass
     parser.add_argument("--models", default=",".join(default),
                         help=f"comma-separated, from: {', '.join(MODELS)}")

@@ -156,10 +156,48 @@ class BenchModel:
     """A benchmark model, the batch it is measured with and the loss it is trained with."""
 
     name: str
-    build: Callable[[], Blocks]
+    build: Callable[[], nn.Module]
     batch: Callable[[], torch.Tensor]
     loss: str
     """A key of :data:`LOSSES`: every method on this model uses this loss."""
+    alternatives: Callable[[nn.Module], list[tuple[str, nn.Module, str]]] | None = None
+    """The methods autockpt is compared with, for a model that is not a :class:`Blocks`
+    (``compare.py`` builds those of a Blocks model itself)."""
+
+
+class DiffusersUNet(nn.Module):
+    """diffusers' ``UNet2DModel`` (the denoiser of DDPM) at fixed timesteps, so that the
+    benchmark's ``model(x)`` is one denoising training step's forward; the issue's size:
+    four resolutions, attention at the third, batch 4 at 32x32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers import UNet2DModel
+
+        self.unet = UNet2DModel(
+            sample_size=32, in_channels=3, out_channels=3, layers_per_block=2,
+            block_out_channels=(32, 64, 64, 64), norm_num_groups=8,
+            down_block_types=("DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        timesteps = torch.arange(x.shape[0], device=x.device) * 100
+        return self.unet(x, timesteps).sample
+
+
+def unet2d() -> DiffusersUNet:
+    torch.manual_seed(0)
+    return DiffusersUNet().train()
+
+
+def diffusers_alternatives(base: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """No checkpointing, and diffusers' own ``enable_gradient_checkpointing()``."""
+    import copy
+
+    switched = copy.deepcopy(base)
+    switched.unet.enable_gradient_checkpointing()  # type: ignore[union-attr, operator]
+    return [("no checkpointing", base, ""),
+            ("diffusers enable_gradient_checkpointing()", switched, "")]
 
 
 MODELS: dict[str, BenchModel] = {
@@ -170,6 +208,9 @@ MODELS: dict[str, BenchModel] = {
     "vit": BenchModel("vit", vit, lambda: torch.randn(16, 3, 64, 64), "cross_entropy"),
     "resnet50": BenchModel("resnet50", resnet50, lambda: torch.randn(8, 3, 128, 128),
                            "cross_entropy"),
+    # A denoiser's step: the predicted noise against a fixed noise target.
+    "unet2d": BenchModel("unet2d", unet2d, lambda: torch.randn(4, 3, 32, 32), "mse",
+                         alternatives=diffusers_alternatives),
 }
 
 
