@@ -37,7 +37,8 @@ one of three kinds:
 # keeps its first partial gradient until the others arrive, and autograd adds them out of
 # place (a new buffer, both parts freed); a gradient is freed once its producer has run
 # backward. The model's outputs get what the measure's sum loss gives them: an expanded
-# scalar, no bytes. A saved storage is freed once the first node that saved it has run
+# scalar, no bytes. An input that requires grad keeps its gradient to the end of backward,
+# as its ``.grad``. A saved storage is freed once the first node that saved it has run
 # backward, so a stage's saved bytes shrink as its backward goes. None of this depends on
 # which stages are checkpointed (the backward runs the same ops), so each stage gets one
 # number, ``Stage.backward_peak_bytes``, and the dynamic programme stays exact for the model.
@@ -595,8 +596,9 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,
         for producer in node.mutated_inputs:
             if producer in node.inputs and not node.users:
                 current[producer] = node.index
-    carries = [node.requires_grad and node.op not in ("get_attr", "output", "placeholder")
-               for node in nodes]
+    # An input that requires grad gets its gradient too: it is alive from the first partial
+    # that reaches it to the end of backward (it becomes the input's ``.grad``).
+    carries = [node.requires_grad and node.op not in ("get_attr", "output") for node in nodes]
     size: dict[int, int] = {}  # buffer -> bytes
     refs: dict[int, int] = {}  # buffer -> how many values' gradients it holds
     grad_of: dict[int, int] = {}  # value -> buffer of its gradient (so far)

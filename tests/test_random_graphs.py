@@ -1,7 +1,7 @@
 """Randomly generated general graphs: layers with fan-out, skips of random length,
 concatenations, gating, norms, dropout, frozen branches, several inputs, inputs that require
 grad. On each: no internal error, gradients (inputs' included) equal to an untransformed twin's,
-the estimate within 5% of the measured peak where the inputs do not require grad, and the least
+the estimate never more than 5% below the measured peak (nor far above it), and the least
 memory reached reported (``pytest --hypothesis-show-statistics``)."""
 
 from __future__ import annotations
@@ -89,15 +89,14 @@ def test_random_graph_trains_exactly_and_is_estimated_well(spec: GraphSpec, mode
             torch.testing.assert_close(got, want)
     measured = autockpt.measure(transformed, args, loss_fn=loss_fn).peak_activation_bytes
     estimated = plan.estimated_peak_bytes
-    if not spec.inputs_require_grad:
-        # Known gaps, both noted on issue 14: with inputs that require grad and segments
-        # reading them the estimate can miss their gradients, and with segments sharing
-        # inputs it can count a storage twice (OVER_ESTIMATE). Gradients are exact either way.
-        low, high = measured * (1 - ESTIMATE_TOLERANCE), measured * OVER_ESTIMATE[mode]
-        assert low <= estimated <= high, (
-            f"{mode}, {len(plan.segments)} segments: estimated {estimated} B, measured "
-            f"{measured} B"
-        )
+    # A known gap, noted on issue 14: where segments share inputs the estimate can count a
+    # storage twice, and reentrant mode's recomputed outputs are priced pessimistically
+    # (OVER_ESTIMATE). It never falls short by more than the budget's slack.
+    low, high = measured * (1 - ESTIMATE_TOLERANCE), measured * OVER_ESTIMATE[mode]
+    assert low <= estimated <= high, (
+        f"{mode}, {len(plan.segments)} segments: estimated {estimated} B, measured "
+        f"{measured} B"
+    )
     if fraction is None:
         baseline = autockpt.measure(reference, args, loss_fn=loss_fn).peak_activation_bytes
         event(f"least memory ({mode}): {10 * (10 * measured // baseline)}-"
