@@ -297,7 +297,8 @@ cost is searched again for cuts of its own (NOTE [ Block boundaries under skip c
 # forward has been saved again, and autograd saves an op's inputs before its kernel runs. So
 # the nodes after the segment's last saving node never run again, nor does that node's kernel
 # when it saves only tensors made before it (a final Linear saves its input and weight: its
-# matmul is skipped). ``Stage.tail_cost`` is what a segment ending with the stage is spared;
+# matmul is skipped; a 4-D matmul copies a transposed operand, then saves the copy as the
+# input of its bmm: the bmm is skipped, ``NodeStat.saves_fresh``). ``Stage.tail_cost`` is what a segment ending with the stage is spared;
 # hand-written per-block checkpoints get this for free on every block, so a cost model
 # without it would see them recompute more than they do. Reentrant checkpoint reruns the
 # whole segment to get its outputs.
@@ -310,7 +311,7 @@ def _savers(profile: Profile) -> tuple[list[bool], list[bool]]:
     for st in profile.storages:
         for saver in st.saved_by:
             saves_any[saver] = True
-            if saver == st.producer:
+            if saver == st.producer and profile.nodes[saver].saves_fresh:
                 saves_own[saver] = True
     return saves_own, saves_any
 

@@ -89,6 +89,12 @@ class Segment:
     """0 for a segment of the forward itself; 1 for one checkpointed again inside the
     recompute of the segment that contains it (its nodes then run forward three times), and
     so on."""
+    input_count: int = 0
+    """Activation storages made before it that it reads: what it keeps for its recompute
+    (``boundary_bytes`` is their size). More than one where skip connections cross it."""
+    output_count: int = 0
+    """Storages made inside it that are read after it."""
+
 
 
 @dataclass(frozen=True)
@@ -432,10 +438,14 @@ def _describe(
             for i in m.inputs
             if i < start and nodes[i].op != "get_attr"
         )
+        outputs = [st for st in profile.storages
+                   if start <= st.producer < end and any(u >= end for u in st.users)]
         segments.append(
             _segment(
                 members,
                 checkpointed=True,
+                input_count=len(inputs),
+                output_count=len(outputs),
                 boundary_bytes=sum(st.size_bytes for st in inputs),
                 freed_bytes=freed,
                 recompute_flops=sum(m.flops for m in members)

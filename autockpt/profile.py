@@ -67,6 +67,12 @@ class _WorkingSet(OpObserver):
         """An older storage (saved by the node whose backward runs) was freed."""
         self.freed_bytes += size
 
+    def made_before(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage existed before the op running now: an input of the
+        node, or made by an op of the node that has returned."""
+        return (storage_key(tensor) in self.old_keys
+                or tensor.untyped_storage() in self._live)
+
     def _release(self, size: int) -> None:
         self.live_bytes -= size
 
@@ -277,6 +283,7 @@ class _ProfileRunner(fx.Interpreter):
         self._storage_index: dict[int, int] = {}
         self._value_storages: dict[fx.Node, list[int]] = {}
         self._saved_now: list[torch.Tensor] = []
+        self._saves_fresh = False
         self._counter = flop_counter()
         self._watcher = _WorkingSet(old_keys=set(param_keys) | set(input_keys))
 
@@ -288,6 +295,10 @@ class _ProfileRunner(fx.Interpreter):
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._saved_now.append(tensor)
+        if not self._watcher.made_before(tensor):
+            # Not an input of the node nor made by an earlier op of it: the op that saves it
+            # has just made it, so its kernel ran before the save.
+            self._saves_fresh = True
         return tensor
 
     def _own(self, key: int, tensor: torch.Tensor, producer: int) -> int | None:
@@ -329,6 +340,7 @@ class _ProfileRunner(fx.Interpreter):
         flops_before = counter.get_total_flops()
         watcher.reset()
         saved_now.clear()
+        self._saves_fresh = False
         input_nodes = node.all_input_nodes if node.op != "output" else []
         ordered_inputs = sorted(input_nodes, key=position.__getitem__)
         if node.op == "output":
@@ -356,6 +368,7 @@ class _ProfileRunner(fx.Interpreter):
         watcher.old_keys.update(storage_key(t) for t in tensors(value))
         watcher.old_keys.update(storage_key(t) for t in saved_now)
         random = watcher.random  # before the probe resets the watcher
+        saves_fresh = self._saves_fresh
         probe_key = _probe_key(self, node, storage_index)
         if probe_key is not None and probe_key in self._probes:
             backward, accumulate = self._probes[probe_key]
@@ -435,6 +448,7 @@ class _ProfileRunner(fx.Interpreter):
             grad_bytes=_grad_size(value),
             accumulate_backward_bytes=(accumulate if backward and accumulate != backward[0]
                                        else None),
+            saves_fresh=saves_fresh,
         )
         node.meta["autockpt"] = stat
         self._stats.append(stat)

@@ -167,6 +167,10 @@ def plan_rows(plan: Plan) -> list[tuple[Segment, list[str]]]:
             else:
                 number.append(1)
             notes = []
+            if seg.input_count > 1 or seg.output_count > 1:
+                # Skip connections cross it: say how many tensors it keeps and hands on.
+                notes.append(f"{_count(seg.input_count, 'input')}, "
+                             f"{_count(seg.output_count, 'output')}")
             if seg.preserve_rng:
                 notes.append("rng replayed")
             if seg.buffers:
