@@ -47,6 +47,10 @@ class _WorkingSet(OpObserver):
     def __init__(self, old_keys: set[int]) -> None:
         self.random = False
         self.written: set[int] = set()
+        # Storages saved for backward since the last op started, and whether one of them
+        # was an op's output (see saves_fresh).
+        self._pending: list[int] = []
+        self._fresh = False
         # Storages that exist before a node runs (inputs, parameters, earlier activations)
         # are not part of its working set; the caller adds each node's results.
         self.old_keys = old_keys
@@ -56,6 +60,8 @@ class _WorkingSet(OpObserver):
         self.freed_bytes = 0
 
     def reset(self) -> None:
+        self._pending = []
+        self._fresh = False
         self.random = False
         self.written = set()
         self.live_bytes = 0
@@ -67,16 +73,31 @@ class _WorkingSet(OpObserver):
         """An older storage (saved by the node whose backward runs) was freed."""
         self.freed_bytes += size
 
-    def made_before(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s storage existed before the op running now: an input of the
-        node, or made by an op of the node that has returned."""
-        return (storage_key(tensor) in self.old_keys
-                or tensor.untyped_storage() in self._live)
-
     def _release(self, size: int) -> None:
         self.live_bytes -= size
 
+    def note_saved(self, tensor: torch.Tensor) -> None:
+        """Autograd saves ``tensor`` for backward (called from the pack hook)."""
+        self._pending.append(storage_key(tensor))
+
+    def saves_fresh(self) -> bool:
+        """Whether the node's ops saved one of their own outputs, as opposed to only their
+        inputs (``NodeStat.saves_fresh``).
+
+        Autograd saves an op's inputs before its kernel runs and its outputs after, so a
+        save that the next op of the node reads was an input of that op; any other save
+        was an output of the op before it.
+        """
+        return self._fresh or bool(self._pending)
+
     def before_op(self, op: Op) -> None:
+        # Metadata and aliasing ops (``prim.device``, the detach of a saved output) compute
+        # nothing: they say nothing of which op a save belonged to.
+        if self._pending and op.func.namespace != "prim" and op.func not in _ALIASING:
+            reads = {storage_key(t) for t in tensors((op.args, op.kwargs))}
+            if any(key not in reads for key in self._pending):
+                self._fresh = True
+            self._pending = []
         if op.random:
             self.random = True
         for t in op.written():
@@ -99,6 +120,9 @@ class _WorkingSet(OpObserver):
         self._live.add(storage, size)
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes - self.freed_bytes)
+
+
+_ALIASING = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
 
 def _reduced_losses() -> tuple[Any, ...]:
@@ -283,7 +307,6 @@ class _ProfileRunner(fx.Interpreter):
         self._storage_index: dict[int, int] = {}
         self._value_storages: dict[fx.Node, list[int]] = {}
         self._saved_now: list[torch.Tensor] = []
-        self._saves_fresh = False
         self._counter = flop_counter()
         self._watcher = _WorkingSet(old_keys=set(param_keys) | set(input_keys))
 
@@ -295,10 +318,7 @@ class _ProfileRunner(fx.Interpreter):
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._saved_now.append(tensor)
-        if not self._watcher.made_before(tensor):
-            # Not an input of the node nor made by an earlier op of it: the op that saves it
-            # has just made it, so its kernel ran before the save.
-            self._saves_fresh = True
+        self._watcher.note_saved(tensor)
         return tensor
 
     def _own(self, key: int, tensor: torch.Tensor, producer: int) -> int | None:
@@ -340,7 +360,6 @@ class _ProfileRunner(fx.Interpreter):
         flops_before = counter.get_total_flops()
         watcher.reset()
         saved_now.clear()
-        self._saves_fresh = False
         input_nodes = node.all_input_nodes if node.op != "output" else []
         ordered_inputs = sorted(input_nodes, key=position.__getitem__)
         if node.op == "output":
@@ -368,7 +387,10 @@ class _ProfileRunner(fx.Interpreter):
         watcher.old_keys.update(storage_key(t) for t in tensors(value))
         watcher.old_keys.update(storage_key(t) for t in saved_now)
         random = watcher.random  # before the probe resets the watcher
-        saves_fresh = self._saves_fresh
+        # Whether it saves what its last op made: that kernel must run in a recompute that
+        # stops here (a saved copy made by an earlier op, as a 4-D matmul makes of a
+        # transposed operand before its bmm, lets the bmm be skipped).
+        saves_fresh = watcher.saves_fresh()
         probe_key = _probe_key(self, node, storage_index)
         if probe_key is not None and probe_key in self._probes:
             backward, accumulate = self._probes[probe_key]

@@ -79,11 +79,11 @@ class NodeStat:
     """Median measured forward time of the node in nanoseconds, when it was timed on the real
     device (``cost="profile"``, :func:`autockpt.timing.time_nodes`); ``None`` otherwise."""
     saves_fresh: bool = True
-    """Whether one of its ops saves a storage that the same op has just made (an output of
-    the op, such as dropout's mask or tanh's result), as opposed to inputs of the op only
-    (a copy made by an earlier op of the node and saved as the input of its last matmul). A
-    non-reentrant recompute that stops at this node must then run it to the end (NOTE
-    [ A non-reentrant recompute stops early ] in :mod:`autockpt.chain`)."""
+    """Whether it saves a storage made by its last op (dropout's mask, tanh's result), as
+    opposed to ones made by earlier ops only (a 4-D matmul saves the copy it made of a
+    transposed operand as the input of its last op, the bmm). A non-reentrant recompute
+    that stops at this node must then run it to the end (NOTE [ A non-reentrant recompute
+    stops early ] in :mod:`autockpt.chain`)."""
 
 
 def node_cost(node: NodeStat) -> int:

@@ -42,3 +42,16 @@ def test_plan_table_reentrant_shows_the_dummy_arg() -> None:
     _check("plan_sequential_reentrant.txt", text)
     # The first segment reads only the raw input, which does not require grad.
     assert any(line.startswith("1 ") and " yes " in line for line in text.splitlines())
+
+
+def test_plan_table_of_a_unet_shows_segments_with_several_inputs() -> None:
+    """Skip connections cross some segments of a UNet: their rows say so."""
+    from tests.skip_models import UNet
+
+    torch.manual_seed(0)
+    plan = autockpt.plan(UNet().train(), (torch.randn(4, 3, 64, 64),), loss_fn="mse")
+    _check("plan_unet_non_reentrant.txt", str(plan) + "\n")
+    several = [s for s in plan.segments if s.input_count > 1]
+    assert several, "no segment of the UNet's least-memory plan has more than one input"
+    for seg in several:
+        assert seg.boundary_bytes > 0
