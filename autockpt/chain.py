@@ -195,6 +195,11 @@ class Chain:
 
 # --------------------------------------------------------------------------- building
 
+def _after_inputs(nodes: Sequence[NodeStat]) -> int:
+    """The position of the first node after the graph's inputs (its placeholders)."""
+    return 1 + max((s.index for s in nodes if s.op == "placeholder"), default=-1)
+
+
 def _candidate_cuts(nodes: Sequence[NodeStat]) -> list[int]:
     """Positions ``c`` where a cut before node ``c`` is allowed and cheap.
 
@@ -207,7 +212,7 @@ def _candidate_cuts(nodes: Sequence[NodeStat]) -> list[int]:
     """
     n = len(nodes)
     last = n - 1  # the output node
-    first = 1 + max((s.index for s in nodes if s.op == "placeholder"), default=-1)
+    first = _after_inputs(nodes)
     diff_forbid = [0] * (n + 2)
     # The cuts each gradient-carrying tensor crosses, as (first, last).
     spans: list[tuple[int, int]] = []
@@ -287,7 +292,7 @@ cost is searched again for cuts of its own (NOTE [ Block boundaries under skip c
 # and after its last, and the planner had nothing in between to choose from. So a stretch
 # between two cheap cuts that holds a large share of the graph is searched again on its own,
 # without the tensors that cross all of it: those are held through the stretch whatever is
-# checkpointed inside (the memory model counts them as long-lived), so they cost nothing
+# checkpointed inside (the memory model counts them as long-lived or passing), so they cost nothing
 # extra at any boundary inside it. One level of skips is peeled off each time, and the
 # block boundaries of each resolution show up. Chains of blocks are searched too but
 # rarely change: their stretches are single blocks.
@@ -298,10 +303,10 @@ cost is searched again for cuts of its own (NOTE [ Block boundaries under skip c
 # the nodes after the segment's last saving node never run again, nor does that node's kernel
 # when it saves only tensors made before it (a final Linear saves its input and weight: its
 # matmul is skipped; a 4-D matmul copies a transposed operand, then saves the copy as the
-# input of its bmm: the bmm is skipped, ``NodeStat.saves_fresh``). ``Stage.tail_cost`` is what a segment ending with the stage is spared;
-# hand-written per-block checkpoints get this for free on every block, so a cost model
-# without it would see them recompute more than they do. Reentrant checkpoint reruns the
-# whole segment to get its outputs.
+# input of its bmm: the bmm is skipped, ``NodeStat.saves_fresh``). ``Stage.tail_cost`` is
+# what a segment ending with the stage is spared; hand-written per-block checkpoints get
+# this for free on every block, so a cost model without it would see them recompute more
+# than they do. Reentrant checkpoint reruns the whole segment to get its outputs.
 
 
 def _savers(profile: Profile) -> tuple[list[bool], list[bool]]:
@@ -316,19 +321,21 @@ def _savers(profile: Profile) -> tuple[list[bool], list[bool]]:
     return saves_own, saves_any
 
 
-def _tails(profile: Profile, start: int, end: int, saves_own: Sequence[bool],
+def _tails(profile: Profile, end: int, saves_own: Sequence[bool],
            saves_any: Sequence[bool]) -> tuple[int, int, int]:
-    """Cost and FLOPs of the nodes ``start..end-1`` that a recompute ending there skips, and
-    the position of the first of them (``end`` when none is skipped)."""
+    """Cost and FLOPs of the nodes before ``end`` that a recompute ending there skips, and
+    the position of the first of them (``end`` when none is skipped). They may reach back
+    over several stages: a stage that saves nothing is skipped whole."""
     cost = flops = 0
     stop = end
-    for node in reversed(profile.nodes[start:end]):
-        if saves_own[node.index]:
+    for index in range(end - 1, -1, -1):
+        node = profile.nodes[index]
+        if saves_own[index]:
             break
         cost += node_cost(node)
         flops += node.flops
-        stop = node.index
-        if saves_any[node.index]:
+        stop = index
+        if saves_any[index]:
             break
     return cost, flops, stop
 
@@ -448,7 +455,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     n = len(nodes)
     # The inputs stand alone in the first stage, never checkpointed: a cut right after them
     # even where an input that requires grad is read far into the graph.
-    first = 1 + max((s.index for s in nodes if s.op == "placeholder"), default=-1)
+    first = _after_inputs(nodes)
     cuts = sorted({0, n - 1, *(c for c in _candidate_cuts(nodes) if c > 0), *_loss_cut(profile),
                    *((first,) if 0 < first < n - 1 else ())})
     cuts = _merge_aliases(profile, cuts)
@@ -545,9 +552,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             while k and saved_spans[k - 1][0] >= u:
                 k -= 1
                 alive -= saved_spans[k][1]
-        # The tail may reach back into earlier stages (a stage that saves nothing is skipped
-        # whole); a segment is spared at most all of its own nodes.
-        tail_cost, tail_flops, stop = _tails(profile, 0, hi, saves_own, saves_any)
+        # A segment is spared at most all of its own nodes (the memory model caps it).
+        tail_cost, tail_flops, stop = _tails(profile, hi, saves_own, saves_any)
         stop = max(stop, lo)
         forward = ForwardPeaks(
             plain_bytes=_sweep(nodes, lo, hi, held_plain[s]),

@@ -96,7 +96,6 @@ class Segment:
     """Storages made inside it that are read after it."""
 
 
-
 @dataclass(frozen=True)
 class Plan:
     """Where to checkpoint a model at one input size, and what it is expected to cost.
@@ -440,6 +439,7 @@ def _describe(
         )
         outputs = [st for st in profile.storages
                    if start <= st.producer < end and any(u >= end for u in st.users)]
+        flops = sum(m.flops for m in members)
         segments.append(
             _segment(
                 members,
@@ -448,9 +448,8 @@ def _describe(
                 output_count=len(outputs),
                 boundary_bytes=sum(st.size_bytes for st in inputs),
                 freed_bytes=freed,
-                recompute_flops=sum(m.flops for m in members)
-                - (min(sum(m.flops for m in members), stages[b].tail_flops)
-                   if mode == "non_reentrant" else 0),
+                recompute_flops=flops - (min(flops, stages[b].tail_flops)
+                                         if mode == "non_reentrant" else 0),
                 dummy_arg=mode == "reentrant"
                 and not input_grad
                 and any(m.trainable for m in members),

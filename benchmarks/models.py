@@ -16,6 +16,7 @@ only a broadcast scalar into the output.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -192,8 +193,6 @@ def unet2d() -> DiffusersUNet:
 
 def diffusers_alternatives(base: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """No checkpointing, and diffusers' own ``enable_gradient_checkpointing()``."""
-    import copy
-
     switched = copy.deepcopy(base)
     switched.unet.enable_gradient_checkpointing()  # type: ignore[union-attr, operator]
     return [("no checkpointing", base, ""),
