@@ -117,9 +117,56 @@ def capture(
                 fx_failure = err
             reasons.append(f"{rung}: {_first_line(err.message)}")
             continue
-        traced.capture_reason = "; ".join(reasons)
+        if rung == "fx" and method == "auto":
+            traced = _enter_torch_nn_containers(module, args, kwargs, traced)
+        traced.capture_reason = "; ".join(reasons + [traced.capture_reason] * bool(
+            traced.capture_reason))
         return traced
     raise AssertionError("unreachable: the ladder ends with 'modules'")
+
+
+# NOTE [ torch.nn containers ]
+# torch.fx never enters a module of the torch.nn namespace: ``nn.TransformerEncoder``, its
+# layers, ``nn.TransformerDecoder`` and ``nn.Transformer`` become one ``call_module`` node each,
+# and their forwards (fast-path checks on tensor properties, ``src.size(0) != tgt.size(0)``)
+# cannot be traced symbolically anyway. A model built on them would be one opaque node: no cut
+# inside it, nothing saved. torch.export traces through them down to aten ops whose
+# ``nn_module_stack`` still names each layer, so such a graph goes to the export rung instead.
+# A torch.nn module with fewer than two modules inside that hold parameters
+# (``MultiheadAttention``: its ``out_proj``, a ``Linear``) stays a leaf: there is no layer boundary inside it to cut at, and
+# it is still checkpointed whole as a node of the plan. When export fails, the fx graph with
+# the containers kept whole is used, as before.
+
+
+def _opaque_containers(traced: TracedModel) -> list[str]:
+    """``'path' (Class)`` of each torch.nn module that fx kept whole although it holds layers
+    of its own (NOTE [ torch.nn containers ])."""
+    found = []
+    for node in traced.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = traced.graph_module.get_submodule(str(node.target))
+        layered = sum(1 for name, inner in sub.named_modules() if name and next(
+            inner.parameters(recurse=False), None) is not None)
+        if type(sub).__module__.startswith(("torch.nn.", "torch.ao.nn.")) and layered >= 2:
+            found.append(f"{node.target!r} ({type(sub).__name__})")
+    return found
+
+
+def _enter_torch_nn_containers(module: nn.Module, args: tuple[Any, ...],
+                               kwargs: dict[str, Any], traced: TracedModel) -> TracedModel:
+    opaque = _opaque_containers(traced)
+    if not opaque:
+        return traced
+    whole = f"fx: keeps the torch.nn container {', '.join(opaque)} whole"
+    try:
+        exported = export_trace(module, args, kwargs)
+    except TraceError as err:
+        traced.capture_reason = f"{whole}; export, which would enter it: " + _first_line(
+            err.message)
+        return traced
+    exported.capture_reason = whole
+    return exported
 
 
 def _first_line(message: str, limit: int = 160) -> str:
@@ -157,11 +204,17 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         view.train()
         exported = torch.export.export(view, (), dict(arguments), strict=False)
     except Exception as err:  # export raises many kinds; all mean "not exportable"
+        fix = ("see the torch.export error above; autockpt.apply(..., capture='modules') "
+               "checkpoints whole submodules without a graph")
+        if "Unsupported input type" in str(err):
+            # A dataclass (or other class) in the inputs that pytree does not know: export
+            # takes it once it is registered; fx and the modules rung take it as it is.
+            fix = ("register the input's class with torch.export.register_dataclass (or "
+                   "torch.utils._pytree.register_pytree_node), or " + fix.split("; ", 1)[1])
         raise TraceError(
             f"torch.export could not export {cls.__name__}: {type(err).__name__}: "
             f"{_first_line(str(err), 400)}",
-            fix="see the torch.export error above; autockpt.apply(..., capture='modules') "
-            "checkpoints whole submodules without a graph",
+            fix=fix,
             model_name=cls.__name__,
         ) from err
     finally:

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import weakref
@@ -113,8 +114,8 @@ def tensors(value: Any) -> list[torch.Tensor]:
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``value`` with ``fn`` applied to the tensors in its nested tuples (named ones too),
-    lists and dicts; a dict of another class (``OrderedDict``, ``ModelOutput``) is copied and
-    updated, so it keeps its class.
+    lists, dicts and dataclass instances; a dict of another class (``OrderedDict``,
+    ``ModelOutput``) and a dataclass instance are copied and updated, so they keep their class.
 
     Example:
         >>> map_tensors({"x": (torch.ones(1), 2)}, lambda t: t * 3)
@@ -130,6 +131,12 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(value, dict):
         mapped = {key: map_tensors(item, fn) for key, item in value.items()}
         return mapped if type(value) is dict else _rebuild_dict(value, mapped)
+    if is_dataclass(value) and not isinstance(value, type):
+        rebuilt = copy.copy(value)
+        for item in fields(value):
+            # object.__setattr__: a frozen dataclass refuses plain assignment.
+            object.__setattr__(rebuilt, item.name, map_tensors(getattr(value, item.name), fn))
+        return rebuilt
     return value
 
 

@@ -77,10 +77,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autockpt.errors import AutockptError, InvalidArgumentError
-from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter,
+from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
                                  storage_key, tensors)
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs
@@ -389,10 +389,7 @@ def _run_fake(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     fake_state = {name: fake_mode.from_tensor(t) for name, t in named}
     buffer_names = {storage_key(fake_state[n]): n for n, _ in module.named_buffers()}
 
-    def fakeify(value: Any) -> Any:
-        return fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
-
-    fake_args, fake_kwargs = tree_map(fakeify, (args, kwargs))
+    fake_args, fake_kwargs = map_tensors((args, kwargs), fake_mode.from_tensor)
     old = {storage_key(t) for t in fake_state.values()} | {
         storage_key(t) for t in tensors((fake_args, fake_kwargs))}
     session = _Session(module, set(old), buffer_names)

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import InvalidArgumentError
-from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter,
+from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
                                  run_with_state, storage_key, tensors)
 from autockpt.loss import LossFn, call_loss, inner_loss
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
@@ -220,9 +220,9 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
     buffer_names = {storage_key(fake_state[n]): n for n, _ in gm.named_buffers()}
 
     def fakeify(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return fake_mode.from_tensor(value)
-        return value
+        # Tensors inside containers too: a dict or dataclass batch is one placeholder whose
+        # tensors the graph reads with getitem/getattr.
+        return map_tensors(value, fake_mode.from_tensor)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values_in = []
@@ -778,11 +778,21 @@ def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[i
 # are taken off that probe's peak; the node's backward peak is the larger of the two probes.
 
 
+# NOTE [ Probing without copies ]
+# A probe needs the node's inputs as autograd leaves, so that backward stops there and hands
+# their gradients back. Most nodes only read their inputs, and a detached leaf sharing the
+# input's storage is enough: no copy is made (a DenseNet layer's cat reads dozens of tensors,
+# and each copy is one more fake-tensor dispatch, the cost of profiling). A node that writes
+# to an input in place (``ReLU(inplace=True)``) refuses a leaf that requires grad, so it runs
+# again on copies with a history of their own. Either way the leaves' storages are the
+# node's inputs, not new bytes of its backward.
+
+
 def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.Node],
                     storage_index: dict[int, int], watcher: _WorkingSet,
                     saved_now: list[torch.Tensor], *, with_params: bool = False,
                     run: Any = None) -> tuple[int, tuple[int, ...], int] | None:
-    """Run one node again on fake leaf copies of the activations it reads, then its backward
+    """Run one node again on fake leaves standing for the activations it reads, then its backward
     from a fresh gradient of its output (see NOTE [ Gradients in backward ] in
     :mod:`autockpt.chain`).
 
@@ -798,25 +808,6 @@ def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.
     if run is None and node.op in ("placeholder", "output", "get_attr"):
         return None
     env = interpreter.env
-    originals = {i: env[i] for i in inputs if i in env}
-    leaves: list[tuple[int, torch.Tensor]] = []
-    edges: list[Any] = []
-
-    def fresh(k: int, value: Any) -> Any:
-        if (isinstance(value, torch.Tensor) and value.requires_grad
-                and storage_key(value) in storage_index):
-            # A copy with a history of its own (an in-place op may write to it), whose
-            # gradient is taken where it enters that history.
-            copy = value.detach().requires_grad_().clone()
-            leaves.append((k, copy))
-            edges.append(torch.autograd.graph.get_gradient_edge(copy))
-            return copy
-        return value
-
-    substituted = {i: tree_map(functools.partial(fresh, k), originals[i])
-                   for k, i in enumerate(inputs) if i in originals}
-    if not leaves:
-        return None
     params: list[torch.Tensor] = []
     if with_params:
         found = [env.get(i) for i in inputs if i.op == "get_attr"]
@@ -829,16 +820,46 @@ def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.
                 params.append(t)
         if not params:
             return None
+    originals = {i: env[i] for i in inputs if i in env}
+    leaves: list[tuple[int, torch.Tensor]] = []
+    edges: list[Any] = []
+
+    def fresh(copy: bool, k: int, value: Any) -> Any:
+        if (isinstance(value, torch.Tensor) and value.requires_grad
+                and storage_key(value) in storage_index):
+            # A leaf of its own whose gradient edge is where the node's history starts; a
+            # copy with a history of its own when the node writes to it in place.
+            leaf = value.detach().requires_grad_()
+            if copy:
+                leaf = leaf.clone()
+                # The copy's edge, taken now: an in-place op gives the tensor a new history.
+                edges.append(torch.autograd.graph.get_gradient_edge(leaf))
+            else:
+                edges.append(leaf)
+            leaves.append((k, leaf))
+            return leaf
+        return value
+
     mark = len(saved_now)
-    try:
-        env.update(substituted)
-        out = interpreter.evaluate(node) if run is None else run()
-    except Exception:  # noqa: BLE001 - cannot run twice on fake tensors: use the fallback
-        return None
-    finally:
-        env.update(originals)
-        saved = saved_now[mark:]
-        del saved_now[mark:]
+    # See NOTE [ Probing without copies ].
+    for copy in (False, True):
+        leaves.clear()
+        edges.clear()
+        substituted = {i: tree_map(functools.partial(fresh, copy, k), originals[i])
+                       for k, i in enumerate(inputs) if i in originals}
+        if not leaves:
+            return None
+        try:
+            env.update(substituted)
+            out = interpreter.evaluate(node) if run is None else run()
+            break
+        except Exception:  # noqa: BLE001 - cannot run twice on fake tensors: use the fallback
+            if copy:
+                return None
+        finally:
+            env.update(originals)
+            saved = saved_now[mark:]
+            del saved_now[mark:]
     outs = [t for t in tensors(out) if t.requires_grad]
     if not outs:
         return None
@@ -855,9 +876,8 @@ def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.
     watcher.old_keys |= temp_old
     freed = _ledger_of(own.values(), watcher.note_freed)
     del saved, own, out
-    param_edges = [torch.autograd.graph.get_gradient_edge(t) for t in params]
     try:
-        grads = torch.autograd.grad(outs, [*edges, *param_edges], seeds, allow_unused=True)
+        grads = torch.autograd.grad(outs, [*edges, *params], seeds, allow_unused=True)
     except Exception:  # noqa: BLE001 - an op without a fake backward: use the fallback
         return None
     finally:

@@ -15,11 +15,12 @@ needed ] there).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -184,18 +185,11 @@ class RuntimeState:
 
 def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
     """What makes two calls need different plans: tensor shapes, dtypes, devices and
-    ``requires_grad``, and the values of Python constants (they are baked into the graph)."""
-    key: list[Any] = []
+    ``requires_grad``, the values of Python constants (they are baked into the graph), and the
+    structure of nested inputs (a dict batch with another key, or a tensor where ``None`` was,
+    is another graph), down to the tensors and constants inside them."""
     devices: set[str] = set()
-    for name, value in arguments.items():
-        if isinstance(value, torch.Tensor):
-            key.append((name, tuple(value.shape), value.dtype, value.device.type,
-                        value.requires_grad))
-            devices.add(value.device.type)
-        elif isinstance(value, (type(None), bool, int, float, str)):
-            key.append((name, type(value).__name__, value))
-        else:
-            key.append((name, type(value).__name__))
+    key: list[Any] = [(name, _value_key(value, devices)) for name, value in arguments.items()]
     # Autocast changes the dtype, so the size, of every activation: a plan made under
     # bfloat16 autocast and reused without it (or the reverse) holds for the wrong sizes, and
     # a bf16 plan run in float32 overshoots its budget. Plan once per autocast setting.
@@ -207,6 +201,24 @@ def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
         if enabled:
             key.append(("autocast", device, torch.get_autocast_dtype(device)))
     return tuple(key)
+
+
+def _value_key(value: Any, devices: set[str]) -> Any:
+    if isinstance(value, torch.Tensor):
+        devices.add(value.device.type)
+        return (tuple(value.shape), value.dtype, value.device.type, value.requires_grad)
+    if isinstance(value, (type(None), bool, int, float, str)):
+        return (type(value).__name__, value)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_value_key(item, devices) for item in value))
+    if isinstance(value, Mapping):
+        return (type(value).__name__,
+                tuple((key, _value_key(item, devices)) for key, item in value.items()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__, tuple(
+            (f.name, _value_key(getattr(value, f.name), devices))
+            for f in dataclasses.fields(value)))
+    return type(value).__name__
 
 
 # --------------------------------------------------------------------------- running a segment

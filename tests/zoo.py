@@ -807,14 +807,13 @@ class TorchEncoderStack(nn.Module):
     dim_feedforward=64, dropout=0.1, batch_first=True)``, Linear head to vocab logits.
 
     The ``src_key_padding_mask`` is built inside ``forward`` from the token ids (``ids == 0``)
-    and passed to every layer.  This traces: ``symbolic_trace``'s default tracer treats
-    every ``torch.nn`` module as a leaf, so each ``TransformerEncoderLayer`` (whose own
-    forward is full of Python checks on the mask and fast-path conditions) is a single
-    opaque ``call_module`` node.
+    and passed to every layer.  ``symbolic_trace``'s default tracer treats every ``torch.nn``
+    module as a leaf, so each ``TransformerEncoderLayer`` (whose own forward is full of Python
+    checks on the mask and fast-path conditions) would be a single opaque ``call_module``
+    node; autockpt captures the model with torch.export instead (NOTE [ torch.nn containers ]).
 
-    Pitfall: large opaque leaf modules (a planner can only cut between layers, and must
-    estimate a leaf's internal activation memory without seeing inside), a bool mask kwarg
-    to a leaf module, and dropout inside a leaf.
+    Pitfall: large modules torch.fx keeps opaque, a bool mask kwarg to them, and dropout
+    inside them.
     """
 
     def __init__(
@@ -918,7 +917,7 @@ CASES: tuple[ZooCase, ...] = (
         "transformer_encoder_layer",
         build_transformer_encoder_layer,
         inputs_transformer_encoder_layer,
-        "3x nn.TransformerEncoderLayer (fx leaves) with src_key_padding_mask built from token ids in forward.",
+        "3x nn.TransformerEncoderLayer (opaque to fx) with src_key_padding_mask built from token ids in forward.",
     ),
 )
 
