@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -398,8 +400,9 @@ class _ProfileRunner(fx.Interpreter):
             with _modules_untracked(counter):
                 probed = _probe_backward(self, node, ordered_inputs, storage_index, watcher,
                                          saved_now)
-                with_params = _probe_backward(self, node, ordered_inputs, storage_index,
-                                              watcher, saved_now, with_params=True)
+                with_params = None if _fused_norm(self, node) else _probe_backward(
+                    self, node, ordered_inputs, storage_index, watcher, saved_now,
+                    with_params=True)
             backward = accumulate = None
             if probed is not None:
                 backward, accumulate = (probed[0], probed[1]), probed[0]
@@ -786,6 +789,28 @@ def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[i
 # to an input in place (``ReLU(inplace=True)``) refuses a leaf that requires grad, so it runs
 # again on copies with a history of their own. Either way the leaves' storages are the
 # node's inputs, not new bytes of its backward.
+
+
+_NORM_MODULES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+_NORM_FUNCTIONS = frozenset([
+    F.batch_norm, F.layer_norm, F.group_norm, torch.batch_norm, torch.layer_norm,
+    torch.group_norm,
+    # What torch.export's graphs call.
+    torch.ops.aten.batch_norm.default, torch.ops.aten.layer_norm.default,
+    torch.ops.aten.group_norm.default, torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_group_norm.default,
+    torch.ops.aten._native_batch_norm_legit_functional.default,
+])
+
+
+def _fused_norm(interpreter: fx.Interpreter, node: fx.Node) -> bool:
+    """Whether the node is a normalization whose parameter gradients come out of the same fused
+    kernel as its input gradient, as per-channel vectors: its backward makes none of the
+    temporaries NOTE [ Temporaries of parameter gradients ] is about, and the second probe
+    (a slow one: fake tensors run these backwards as decompositions) is skipped."""
+    if node.op == "call_module":
+        return isinstance(interpreter.module.get_submodule(str(node.target)), _NORM_MODULES)
+    return node.op == "call_function" and node.target in _NORM_FUNCTIONS
 
 
 def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.Node],

@@ -9,6 +9,13 @@ fake-tensor machinery (importing ``torch._dynamo``), is reported apart from the 
 (median of ``--repeat``). Two budgets: ``None`` (least memory) and halfway between the least
 reachable peak and the peak without checkpointing.
 
+**Corpus** (``--corpus``): ``autockpt.plan(model, budget_mb=None)`` (the least memory) for
+every model the tests plan: the real models of tests/models/corpus.py, the skip-connection
+models of tests/models/test_skip_connections.py and the torch.nn transformers of
+tests/test_torch_nn_transformer.py, at the sizes the tests use, all in one warm process, with
+the time split into capture (fx or torch.export), profiling and planning. A model whose package
+is missing is skipped. The slowest is printed last; the target is 3 s each on a 2-core CPU.
+
 **Planner alone** (``--planner``): ``make_plan`` on a ready :class:`~autockpt.stats.Profile`
 (building the chain of stages and running the strategy; no tracing or profiling), for graphs
 of 100 to 10,000 nodes in two families:
@@ -22,6 +29,7 @@ of 100 to 10,000 nodes in two families:
     python benchmarks/planner_speed.py                      # both parts
     python benchmarks/planner_speed.py --planner --sizes 100,1000,5000 --json out.json
     python benchmarks/planner_speed.py --end-to-end --models gpt24
+    python benchmarks/planner_speed.py --corpus --json corpus.json
 
 Timings use one torch thread (``--threads``); on a shared machine compare medians.
 """
@@ -137,6 +145,92 @@ def print_end_to_end(rows: list[dict[str, Any]]) -> None:
     print(format_table(header, table, right=[False] + [True] * (len(header) - 1)))
 
 
+# --------------------------------------------------------------------------- corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS_TARGET_SECONDS = 3.0
+
+
+def corpus_models() -> list[tuple[str, Callable[[], torch.nn.Module], Callable[[], Any]]]:
+    """``(name, build, inputs)`` for every model the tests plan; ``inputs()`` gives
+    ``(args, kwargs)``. Imported from the tests, so that the sizes are theirs."""
+    sys.path.insert(0, str(ROOT))
+    from tests.models.corpus import CASES as CORPUS
+    from tests.models.test_skip_connections import CASES as SKIPS
+    from tests.test_torch_nn_transformer import CASES as TORCH_NN
+
+    models = [(c.name, lambda c=c: c.build(0), c.inputs) for c in CORPUS]
+    models += [(c.name, c.build, c.inputs) for c in SKIPS if c.name not in
+               {name for name, _, _ in models}]
+    models += [(name, lambda make=make: make().train(), lambda args=args: (args, {}))
+               for name, (make, args) in TORCH_NN.items()]
+    return models
+
+
+def _importable(model_name: str) -> bool:
+    package = {"timm": "timm", "tv": "torchvision", "hf": "transformers",
+               "diffusers": "diffusers"}.get(model_name.split("_")[0])
+    if package is None:
+        return True
+    try:
+        __import__(package)
+    except ImportError:
+        return False
+    return True
+
+
+def corpus(repeat: int) -> list[dict[str, Any]]:
+    """Median seconds of ``plan(model, budget_mb=None)`` per model, split by stage."""
+    from autockpt.capture import capture
+    from autockpt.trace import TracedModel
+
+    # torch's fake-tensor machinery is set up by the first plan of the process; not counted.
+    autockpt.plan(torch.nn.Linear(2, 2), (torch.randn(1, 2),))
+    rows = []
+    for name, build, inputs in corpus_models():
+        if not _importable(name):
+            print(f"  {name}: skipped (package missing)", flush=True)
+            continue
+        model = build()
+        args, kwargs = inputs()
+        totals, captures, profiles = [], [], []
+        for _ in range(repeat):
+            total, plan = _timed(lambda: autockpt.plan(  # noqa: B023
+                model, args, example_kwargs=kwargs))
+            seconds, traced = _timed(lambda: capture(model, args, kwargs))  # noqa: B023
+            totals.append(total)
+            captures.append(seconds)
+            if isinstance(traced, TracedModel):
+                arguments = bind_inputs(model, args, kwargs)
+                profiles.append(_seconds(lambda: profile(  # noqa: B023
+                    traced, dict(zip(traced.spec.param_names,  # noqa: B023
+                                     traced.graph_inputs(arguments))))))  # noqa: B023
+        row = {"model": name, "capture": plan.capture, "graph_nodes": plan.node_count,
+               "plan_seconds": statistics.median(totals),
+               "capture_seconds": statistics.median(captures),
+               "profile_seconds": statistics.median(profiles) if profiles else None}
+        rows.append(row)
+        print(f"  {name}: {row['plan_seconds']:.2f} s", flush=True)
+    return rows
+
+
+def print_corpus(rows: list[dict[str, Any]]) -> None:
+    header = ["model", "capture", "nodes", "plan(None) s", "capture s", "profile s", "rest s"]
+    table = []
+    for r in rows:
+        profiled = r["profile_seconds"]
+        rest = r["plan_seconds"] - r["capture_seconds"] - (profiled or 0.0)
+        table.append([r["model"], r["capture"], str(r["graph_nodes"]), f"{r['plan_seconds']:.2f}",
+                      f"{r['capture_seconds']:.2f}",
+                      "-" if profiled is None else f"{profiled:.2f}", f"{max(rest, 0.0):.2f}"])
+    print(format_table(header, table, right=[False, False] + [True] * (len(header) - 2)))
+    if rows:
+        slowest = max(rows, key=lambda r: r["plan_seconds"])
+        over = [r["model"] for r in rows if r["plan_seconds"] > CORPUS_TARGET_SECONDS]
+        print(f"slowest: {slowest['model']} {slowest['plan_seconds']:.2f} s; over "
+              f"{CORPUS_TARGET_SECONDS:.0f} s: {', '.join(over) or 'none'}")
+
+
 # --------------------------------------------------------------------------- planner alone
 
 
@@ -235,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--end-to-end", action="store_true", help="only the end-to-end part")
     parser.add_argument("--planner", action="store_true", help="only the planner-alone part")
+    parser.add_argument("--corpus", action="store_true",
+                        help="only the corpus part: every model the tests plan")
     parser.add_argument("--models", default=",".join(E2E_MODELS),
                         help=f"end to end, comma-separated, from: {', '.join(E2E_MODELS)}")
     parser.add_argument("--families", default=",".join(FAMILIES),
@@ -251,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(end_to_end_child(args.child, args.repeat)))
         return 0
-    both = not (args.end_to_end or args.planner)
+    both = not (args.end_to_end or args.planner or args.corpus)
     out: dict[str, Any] = {"torch": torch.__version__, "threads": args.threads}
     if both or args.end_to_end:
         names = [n for n in args.models.split(",") if n]
@@ -273,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         out["planner"] = planner_alone(families, sizes, args.repeat)
         print()
         print_planner(out["planner"])
+    if args.corpus:
+        print("corpus (least memory, warm process, median of --repeat):", flush=True)
+        out["corpus"] = corpus(args.repeat)
+        print()
+        print_corpus(out["corpus"])
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

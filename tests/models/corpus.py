@@ -235,6 +235,8 @@ CASES: tuple[CorpusCase, ...] = (
                output_loss),
     CorpusCase("tv_mobilenet_v2", "torchvision", _torchvision("mobilenet_v2"),
                _images(2, 32, 8), output_loss),
+    CorpusCase("tv_vgg11_bn", "torchvision", _torchvision("vgg11_bn"), _images(2, 32, 9),
+               output_loss),
     CorpusCase("hf_gpt2", "transformers",
                _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=32, n_embd=32,
                    n_layer=2, n_head=2, use_cache=False, **_TOKEN_IDS),
