@@ -179,8 +179,9 @@ def _importable(model_name: str) -> bool:
     return True
 
 
-def corpus(repeat: int) -> list[dict[str, Any]]:
-    """Median seconds of ``plan(model, budget_mb=None)`` per model, split by stage."""
+def corpus(repeat: int, names: list[str] | None = None) -> list[dict[str, Any]]:
+    """Median seconds of ``plan(model, budget_mb=None)`` per model (those in ``names``, or
+    all), split by stage."""
     from autockpt.capture import capture
     from autockpt.trace import TracedModel
 
@@ -188,6 +189,8 @@ def corpus(repeat: int) -> list[dict[str, Any]]:
     autockpt.plan(torch.nn.Linear(2, 2), (torch.randn(1, 2),))
     rows = []
     for name, build, inputs in corpus_models():
+        if names is not None and name not in names:
+            continue
         if not _importable(name):
             print(f"  {name}: skipped (package missing)", flush=True)
             continue
@@ -331,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--planner", action="store_true", help="only the planner-alone part")
     parser.add_argument("--corpus", action="store_true",
                         help="only the corpus part: every model the tests plan")
-    parser.add_argument("--models", default=",".join(E2E_MODELS),
-                        help=f"end to end, comma-separated, from: {', '.join(E2E_MODELS)}")
+    parser.add_argument("--models", default=None,
+                        help=f"end to end, comma-separated, from: {', '.join(E2E_MODELS)}; "
+                        "with --corpus, the corpus models to time (default: all)")
     parser.add_argument("--families", default=",".join(FAMILIES),
                         help=f"planner alone, comma-separated, from: {', '.join(FAMILIES)}")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
@@ -343,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one end-to-end model, JSON out
     args = parser.parse_args(argv)
+    args.models_given = args.models is not None
+    if args.models is None:
+        args.models = ",".join(E2E_MODELS)
     torch.set_num_threads(args.threads)
     if args.child:
         print(json.dumps(end_to_end_child(args.child, args.repeat)))
@@ -371,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         print_planner(out["planner"])
     if args.corpus:
         print("corpus (least memory, warm process, median of --repeat):", flush=True)
-        out["corpus"] = corpus(args.repeat)
+        chosen = [n for n in args.models.split(",") if n] if args.models_given else None
+        out["corpus"] = corpus(args.repeat, chosen)
         print()
         print_corpus(out["corpus"])
     if args.json:

@@ -2,7 +2,8 @@
 
 A tiny model is registered in place of the benchmark models so that one whole
 ``run_model`` takes seconds; ``autockpt.apply`` and ``autockpt.measure`` are wrapped to
-check that each call got the same loss, the one the rows name.
+check that each call got the same loss, the one the rows name. benchmarks/planner_speed.py's
+corpus part times two of the models the tests plan.
 """
 
 from __future__ import annotations
@@ -116,3 +117,17 @@ def test_saved_for_backward_counts_the_loss_but_not_its_targets() -> None:
     # The 6 ReLU outputs (each also the next Linear's saved input; the first Linear's is x,
     # not counted) and the model output MSE saves; its (4, 10) target is not an activation.
     assert saved == 6 * 4 * 32 * 4 + 4 * 10 * 4
+
+
+def test_planner_speed_corpus_times_the_models_the_tests_plan(capsys: pytest.CaptureFixture[str]
+                                                              ) -> None:
+    import planner_speed
+
+    names = [name for name, _, _ in planner_speed.corpus_models()]
+    assert {"tv_densenet121", "tv_vgg11_bn", "unet", "transformer_encoder"} <= set(names)
+    rows = planner_speed.corpus(1, ["unet", "transformer_encoder"])
+    assert [r["model"] for r in rows] == ["unet", "transformer_encoder"]
+    assert [r["capture"] for r in rows] == ["fx", "export"]
+    assert all(r["plan_seconds"] >= r["capture_seconds"] > 0 for r in rows)
+    planner_speed.print_corpus(rows)
+    assert "slowest: " in capsys.readouterr().out
