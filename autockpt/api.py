@@ -7,9 +7,10 @@ the budget, and the fix.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from numbers import Real
 from typing import Any
 
@@ -45,6 +46,7 @@ def apply(
     grad_accumulation: bool = False,
     total_mb: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    keep_whole: str | Sequence[str] = (),
 ) -> nn.Module:
     """Return a module that trains like ``model`` with activation memory within ``budget_mb``.
 
@@ -95,6 +97,12 @@ def apply(
             rest (the plan's header shows the breakdown).
         optimizer: the optimizer whose state ``total_mb`` counts (Adam and AdamW two buffers
             per parameter, SGD with momentum one, or what its state already holds).
+        keep_whole: submodules whose calls must stay module calls, so that hooks registered
+            on them (by ``fully_shard(block)``, tensor parallelism, a profiler) run, also when
+            registered after ``apply``: qualified names or patterns in which ``*`` stands for
+            one name (``"layers.*"``: each child of ``layers``). A segment then contains each
+            of them whole, and its recompute calls them again (their hooks run once more, as
+            with any checkpoint). See docs/training-setups.md.
 
     Example:
         >>> import torch, autockpt
@@ -134,7 +142,8 @@ def apply(
         # The step it was made for travels with it (the accumulation warning reads it).
         step["grad_accumulation"] = plan.grad_accumulation
     config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan,
-                         capture=capture, cost=cost, **step)
+                         capture=capture, cost=cost, keep_whole=whole_modules(model, keep_whole),
+                         **step)
     # A transformed module can be applied again: the new one shares the same tree.
     transformed = make_checkpointed(model, config)
     if example_inputs is not None or example_kwargs is not None:
@@ -158,6 +167,7 @@ def plan(
     grad_accumulation: bool = False,
     total_mb: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    keep_whole: str | Sequence[str] = (),
 ) -> Plan:
     """Plan checkpoint segments for ``model`` at these inputs without changing anything.
 
@@ -172,8 +182,8 @@ def plan(
         >>> p.estimated_peak_bytes <= p.budget_bytes
         True
 
-    ``capture``, ``cost``, ``loss_fn``, ``grad_accumulation``, ``total_mb`` and
-    ``optimizer`` are as for :func:`apply`. With ``total_mb`` a model built on the meta
+    ``capture``, ``cost``, ``loss_fn``, ``grad_accumulation``, ``total_mb``, ``optimizer``
+    and ``keep_whole`` are as for :func:`apply`. With ``total_mb`` a model built on the meta
     device plans too, so whether a model fits a GPU, and how, is answered before renting one.
 
     Raises:
@@ -189,7 +199,8 @@ def plan(
     args, kwargs = split_inputs(example_inputs, example_kwargs)
 
     config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy,
-                         capture=capture, cost=cost, **step)
+                         capture=capture, cost=cost, keep_whole=whole_modules(model, keep_whole),
+                         **step)
 
     def run() -> Plan:
         return make_any_plan(model, args, kwargs, config)
@@ -319,6 +330,41 @@ def _check_step(budget_mb: Any, loss_fn: Any, grad_accumulation: Any, total_mb: 
             )
     return dict(loss_fn=loss, grad_accumulation=grad_accumulation, total_bytes=total_bytes,
                 optimizer=optimizer)
+
+
+def whole_modules(model: nn.Module, keep_whole: Any) -> tuple[str, ...]:
+    """The qualified names of ``model``'s submodules that ``keep_whole`` names, in
+    ``named_modules`` order: exact names, or patterns in which ``*`` (and the other
+    :mod:`fnmatch` wildcards) stand within one dotted name.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(
+        ...     torch.nn.Linear(2, 2), torch.nn.ReLU()))
+        >>> whole_modules(net, "*")
+        ('0', '1')
+        >>> whole_modules(net, ["1.*"])
+        ('1.0', '1.1')
+    """
+    patterns = [keep_whole] if isinstance(keep_whole, str) else keep_whole
+    if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
+        raise InvalidArgumentError(
+            f"keep_whole must be a module name or a list of them, got {keep_whole!r}",
+            fix='pass e.g. keep_whole="layers.*" or keep_whole=["encoder.layers.0", "head"]')
+    names = [name for name, _ in model.named_modules() if name]
+    chosen: set[str] = set()
+    for pattern in patterns:
+        atoms = pattern.split(".")
+        found = [name for name in names if len(name.split(".")) == len(atoms)
+                 and all(fnmatch.fnmatchcase(a, b) for a, b in zip(name.split("."), atoms))]
+        if not found:
+            nearby = ", ".join(n for n in names if "." not in n) or "none"
+            raise InvalidArgumentError(
+                f"keep_whole names {pattern!r}, which is no submodule of "
+                f"{type(model).__name__}",
+                fix=f"use qualified names from model.named_modules(); its children are "
+                f"{nearby}")
+        chosen.update(found)
+    return tuple(name for name in names if name in chosen)
 
 
 def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:

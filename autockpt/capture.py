@@ -43,7 +43,8 @@ from autockpt.errors import AutockptError, TraceError
 from autockpt.trace import (TraceSpec, TracedModel, base_class, bind_inputs, has_attr_path,
                             shallow_view, trace)
 
-__all__ = ["CAPTURES", "RUNGS", "NoGraph", "capture", "export_trace", "trace_with_leaves"]
+__all__ = ["CAPTURES", "RUNGS", "NoGraph", "capture", "export_trace", "has_hooks",
+           "hooked_modules", "trace_with_leaves"]
 
 RUNGS = ("fx", "export", "fx-leaves", "modules")
 """The ways of capturing a forward, in the order ``"auto"`` tries them."""
@@ -69,10 +70,15 @@ def capture(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     method: str = "auto",
+    keep_whole: Sequence[str] = (),
 ) -> TracedModel | NoGraph:
     """Capture ``module``'s forward for these inputs with the first rung that works.
 
     Returns :class:`NoGraph` when only the ``"modules"`` rung is left (or asked for).
+
+    ``keep_whole`` names submodules (qualified names) whose calls stay module calls in the
+    graph, so that hooks on them run (NOTE [ Module calls kept whole ]): torch.fx keeps them as
+    leaves, and torch.export, which inlines every module, is skipped.
 
     Example:
         >>> import torch
@@ -100,16 +106,23 @@ def capture(
             return NoGraph("; ".join(reasons))
         try:
             if rung == "fx":
-                traced = trace(module, args, kwargs)
+                traced = trace(module, args, kwargs, leaves=keep_whole)
+                traced.capture = "fx"  # the kept modules are the user's, not failures
             elif rung == "export":
+                if keep_whole:
+                    raise TraceError(
+                        f"torch.export inlines every module call, and {len(keep_whole)} must "
+                        f"stay whole ({_names(keep_whole)})",
+                        fix="use a rung that keeps module calls: 'fx', 'fx-leaves' or "
+                        "'modules'")
                 traced = export_trace(module, args, kwargs)
             elif fx_failure is None:
-                traced = trace_with_leaves(module, args, kwargs)
+                traced = trace_with_leaves(module, args, kwargs, leaves=keep_whole)
             else:
                 # Go on from where the first torch.fx attempt failed instead of tracing again.
-                _give_up_if_hopeless(fx_failure, ())
+                _give_up_if_hopeless(fx_failure, keep_whole)
                 traced = trace_with_leaves(module, args, kwargs,
-                                           leaves=[str(fx_failure.module_path)])
+                                           leaves=[*keep_whole, str(fx_failure.module_path)])
         except TraceError as err:
             if method != "auto":
                 raise
@@ -117,12 +130,44 @@ def capture(
                 fx_failure = err
             reasons.append(f"{rung}: {_first_line(err.message)}")
             continue
-        if rung == "fx" and method == "auto":
+        if rung == "fx" and method == "auto" and not keep_whole:
             traced = _enter_torch_nn_containers(module, args, kwargs, traced)
         traced.capture_reason = "; ".join(reasons + [traced.capture_reason] * bool(
             traced.capture_reason))
         return traced
     raise AssertionError("unreachable: the ladder ends with 'modules'")
+
+
+# NOTE [ Module calls kept whole ]
+# A rewritten forward runs the ops of the graph, not the modules that made them: a module that
+# torch.fx (or torch.export) traced into is never called, so hooks registered on it never run.
+# FSDP2's ``fully_shard(block)`` gathers a block's parameters in such a hook; tensor
+# parallelism, activation offloading and profilers hook modules too. The modules named in
+# ``keep_whole``, and every submodule that already has a hook when the graph is captured, stay
+# ``call_module`` nodes: segments contain them whole, the generated code calls them (hooks
+# run, once more in a recompute, as with any checkpoint), and the profile runs their forward
+# without their hooks (a hook must not run on fake tensors). torch.export inlines every module,
+# so such a model is captured by torch.fx (with leaves) or by the modules rung. A hook added
+# after planning to a module the graph traced into is found at the next forward
+# (:func:`autockpt.runtime.inlined_modules`), which then raises instead of skipping it.
+
+
+def hooked_modules(module: nn.Module) -> tuple[str, ...]:
+    """Qualified names of ``module``'s submodules that have forward or backward hooks.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> _ = net[1].register_forward_hook(lambda m, i, o: None)
+        >>> hooked_modules(net)
+        ('1',)
+    """
+    return tuple(name for name, sub in module.named_modules() if name and has_hooks(sub))
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward (pre-)hooks or module backward (pre-)hooks of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 # NOTE [ torch.nn containers ]
@@ -167,6 +212,11 @@ def _enter_torch_nn_containers(module: nn.Module, args: tuple[Any, ...],
         return traced
     exported.capture_reason = whole
     return exported
+
+
+def _names(names: Sequence[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _first_line(message: str, limit: int = 160) -> str:

@@ -154,9 +154,15 @@ def _rebuild_dict(original: dict[Any, Any], mapped: dict[Any, Any]) -> dict[Any,
 
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage behind ``tensor``, or None when it has none that can be accounted for
-    (sparse and other storage-less layouts, wrapper subclasses)."""
+    (sparse and other storage-less layouts, wrapper subclasses). A DTensor (FSDP2's sharded
+    parameters) has the storage of its local shard."""
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        tensor = local
     try:
-        return tensor.untyped_storage()
+        storage = tensor.untyped_storage()
+        storage.data_ptr()  # a wrapper subclass's storage refuses it: nothing to account for
+        return storage
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 

@@ -128,6 +128,10 @@ class _Forward(OpObserver):
         self._tracker._after_op(op, out)
 
 
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+"""Operator namespaces of torch.distributed's collectives."""
+
+
 class track_activation_memory:  # noqa: N801 - a context manager, named like torch.no_grad
     """Context manager that counts the bytes of tensor storages allocated by ops while it
     is active, minus those freed since: the activations and temporaries of the code it
@@ -373,6 +377,12 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             for tensor in tensors(out):
                 self._note_output(tensor)
             self._op_bytes.append(self._current)
+        if getattr(op.func, "namespace", "") in _COLLECTIVE_NAMESPACES:
+            # The buffers a collective reads and writes carry parameters or gradients
+            # between ranks (FSDP2's all-gather of a block's parameters, its reduce-scatter
+            # of their gradients): not activations, however the code allocated them.
+            for tensor in [*op.inputs(), *tensors(out)]:
+                self.reclassify(tensor)
 
     def _note_input(self, tensor: torch.Tensor) -> None:
         storage = storage_of(tensor)

@@ -933,7 +933,7 @@ def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
 
 def _rebuild_block(base: type[nn.Module]) -> nn.Module:
     cls = _block_class(base)
-    return cls.__new__(cls)
+    return object.__new__(cls)  # see shallow_view
 
 
 class _BlockMixin(CheckpointedForward):

@@ -27,7 +27,7 @@ from torch import nn
 
 from autockpt import modules
 from autockpt.budget import DeviceBudget, device_budget
-from autockpt.capture import NoGraph, capture
+from autockpt.capture import NoGraph, capture, hooked_modules
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.loss import LossFn
 from autockpt.planner import Plan, make_plan
@@ -79,6 +79,9 @@ class ApplyConfig:
     leaves of it (:func:`autockpt.budget.device_budget`)."""
     optimizer: Any = None
     """The optimizer whose state ``total_bytes`` counts."""
+    keep_whole: tuple[str, ...] = ()
+    """Qualified names of submodules whose calls stay module calls (NOTE [ Module calls kept
+    whole ] in :mod:`autockpt.capture`)."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,8 @@ def plan_blocks(
         notes += ("the modules rung cannot run loss_fn with the model: it priced an "
                   "output-sized gradient for each output instead",)
     return BlockPlan(replace(plan, model=base_class(module).__name__, capture="modules",
-                             capture_reason=reason, notes=notes, device=device), prof)
+                             capture_reason=reason, notes=notes, device=device,
+                             kept_whole=config.keep_whole), prof)
 
 
 def resolve_budget(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -193,11 +197,23 @@ def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         )
 
 
+def with_hooked_modules(module: nn.Module, config: ApplyConfig) -> ApplyConfig:
+    """``config`` with the submodules that have hooks now added to ``keep_whole`` (NOTE
+    [ Module calls kept whole ] in :mod:`autockpt.capture`), in ``named_modules`` order."""
+    hooked = set(hooked_modules(module))
+    if hooked <= set(config.keep_whole):
+        return config
+    wanted = hooked | set(config.keep_whole)
+    return replace(config, keep_whole=tuple(
+        name for name, _ in module.named_modules() if name in wanted))
+
+
 def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                   config: ApplyConfig) -> Plan:
     """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
     does)."""
-    traced = capture(module, args, kwargs, config.capture)
+    config = with_hooked_modules(module, config)
+    traced = capture(module, args, kwargs, config.capture, config.keep_whole)
     if isinstance(traced, NoGraph):
         return plan_blocks(module, args, kwargs, traced.reason, config).plan
     return plan_graph(module, traced, bind_inputs(module, args, kwargs), config).plan
@@ -223,7 +239,7 @@ def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any]
                          grad_accumulation=config.grad_accumulation)
     plan = replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
                    capture=traced.capture, capture_reason=traced.capture_reason,
-                   cost_model=config.cost, device=device)
+                   cost_model=config.cost, device=device, kept_whole=config.keep_whole)
     return GraphPlan(traced, plan)
 
 
@@ -279,7 +295,8 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     plan = known if known is not None else config.fixed_plan
     # A given plan is re-applied to a graph captured the way it was made.
     method = plan.capture if plan is not None else config.capture
-    traced = capture(module, args, kwargs, method)
+    config = with_hooked_modules(module, config)
+    traced = capture(module, args, kwargs, method, config.keep_whole)
     if isinstance(traced, NoGraph):
         made = plan_blocks(module, args, kwargs, traced.reason, config)
         if plan is None:

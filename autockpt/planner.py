@@ -152,6 +152,9 @@ class Plan:
     accumulation), counting the weight-gradient temporaries."""
     device: DeviceBudget | None = None
     """With ``total_mb``: the whole-device budget and what takes it before activations."""
+    kept_whole: tuple[str, ...] = ()
+    """Submodules whose calls the plan keeps as module calls (``keep_whole``), so that hooks on
+    them (FSDP2's ``fully_shard``, profilers) run; segments contain them whole."""
     cost_model: str = "flops"
     """What the recompute cost the segments were chosen by measures: ``"flops"`` (FLOPs plus
     bytes written, from the fake-tensor profile; the same plan every time) or ``"profile"``

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import InvalidArgumentError
+from autockpt.capture import has_hooks
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
                                  run_with_state, storage_key, tensors)
 from autockpt.loss import LossFn, call_loss, inner_loss
@@ -344,6 +345,14 @@ class _ProfileRunner(fx.Interpreter):
     def evaluate(self, node: fx.Node) -> Any:
         """The node's value as the plain interpreter computes it (the probes run it again)."""
         return super().run_node(node)
+
+    def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        submodule = self.fetch_attr(target)
+        if has_hooks(submodule):
+            # Its hooks belong to the real step (FSDP2 gathers parameters in them, a profiler
+            # counts calls): see NOTE [ Module calls kept whole ] in autockpt/capture.py.
+            return submodule.forward(*args, **kwargs)
+        return submodule(*args, **kwargs)
 
     def run_node(self, node: fx.Node) -> Any:
         gm = self.module

@@ -97,6 +97,10 @@ def plan_summary(plan: Plan) -> list[str]:
     if plan.cost_model != "flops":
         # Only worth a line when it differs from the default: timed plans are not reproducible.
         header.append(f"  cost model      {plan.cost_model} (node times measured on the device)")
+    if plan.kept_whole:
+        shown = ", ".join(plan.kept_whole[:4]) + (
+            f" and {len(plan.kept_whole) - 4} more" if len(plan.kept_whole) > 4 else "")
+        header.append(f"  kept whole      {shown} (called as modules, so that their hooks run)")
     if plan.capture != "fx":
         # Only worth a line when the first rung of the ladder failed: it says why.
         header.append(f"  captured by     {CAPTURE_LABELS.get(plan.capture, plan.capture)}")

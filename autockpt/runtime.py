@@ -25,10 +25,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from autockpt import modules, pipeline
-from autockpt.errors import BudgetWarning
+from autockpt.capture import has_hooks
+from autockpt.errors import AutockptError, BudgetWarning
 # Modules pickled before the pipeline existed name autockpt.runtime.ApplyConfig.
 from autockpt.pipeline import ApplyConfig, BlockPlan
 from autockpt.planner import Plan
@@ -69,6 +70,9 @@ class _Variant:
     """Rebuilds the forward's output from what the program returns; ``None``: as it is."""
     blocks: modules.ModuleProfile | None = None
     """The ``"modules"`` rung: the profile whose blocks the plan checkpoints (no program)."""
+    inlined: tuple[tuple[str, nn.Module], ...] = ()
+    """The submodules the program runs the ops of instead of calling them
+    (:func:`inlined_modules`): a hook added to one of them later would never run."""
 
     @property
     def ready(self) -> bool:
@@ -171,7 +175,8 @@ class RuntimeState:
         traced = built.planned.traced
         variant = _Variant(key=key, plan=built.planned.plan, program=built.program,
                            param_names=traced.spec.param_names, flatten=traced.flatten,
-                           unflatten=traced.unflatten)
+                           unflatten=traced.unflatten,
+                           inlined=inlined_modules(module, traced.graph))
         self.by_id[variant_id] = variant
         self._remember(key, variant)
         return variant
@@ -259,9 +264,40 @@ def _warn_if_accumulating(module: nn.Module, state: RuntimeState) -> None:
     )
 
 
+def inlined_modules(module: nn.Module, graph: fx.Graph) -> tuple[tuple[str, nn.Module], ...]:
+    """``(name, submodule)`` for each submodule of ``module`` that ``graph`` does not call:
+    neither a ``call_module`` target nor inside one (NOTE [ Module calls kept whole ] in
+    :mod:`autockpt.capture`)."""
+    called = {str(node.target) for node in graph.nodes if node.op == "call_module"}
+
+    def is_called(name: str) -> bool:
+        atoms = name.split(".")
+        return any(".".join(atoms[:k]) in called for k in range(1, len(atoms) + 1))
+
+    return tuple((name, sub) for name, sub in module.named_modules()
+                 if name and not is_called(name))
+
+
+def _refuse_skipped_hooks(variant: _Variant) -> None:
+    """Raise when a submodule the program traced into has hooks now (added after planning):
+    running on would silently skip them."""
+    hooked = [name for name, sub in variant.inlined if has_hooks(sub)]
+    if hooked:
+        shown = ", ".join(repr(n) for n in hooked[:4]) + (
+            f" and {len(hooked) - 4} more" if len(hooked) > 4 else "")
+        raise AutockptError(
+            f"hooks were registered on {shown} after autockpt planned this model, which runs "
+            "the ops inside those modules instead of calling them: the hooks would never run "
+            "(FSDP2's fully_shard(block) would train on sharded parameters)",
+            fix=f"pass keep_whole={hooked[:4]!r} (or a pattern such as 'layers.*') to "
+            "autockpt.apply, so that segments call those modules whole, or register the hooks "
+            "before autockpt.apply plans",
+        )
+
+
 def _rebuild(base: type[nn.Module]) -> nn.Module:
     cls = checkpointed_class(base)
-    return cls.__new__(cls)
+    return object.__new__(cls)  # see trace.shallow_view
 
 
 class _CheckpointedMixin(CheckpointedForward):
@@ -278,6 +314,8 @@ class _CheckpointedMixin(CheckpointedForward):
         if not how.checked_grads:
             _warn_if_accumulating(module, how)
         variant, arguments = how.variant_for(module, args, kwargs)
+        if variant.plan.segments:
+            _refuse_skipped_hooks(variant)
         return variant.run(module, args, kwargs, arguments)
 
     def _autockpt_run(self, variant_id: int, index: int, *inputs: Any) -> Any:

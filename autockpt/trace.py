@@ -112,7 +112,9 @@ def shallow_view(module: nn.Module, cls: type[nn.Module] | None = None) -> nn.Mo
     tensors and submodules are the very same objects.
     """
     cls = base_class(module) if cls is None else cls
-    view = cls.__new__(cls)
+    # object.__new__, not cls.__new__: FSDP2's FSDPModule.__new__ builds an instance of the
+    # class the module had before fully_shard, which would drop the sharding from the view.
+    view = object.__new__(cls)
     state = {}
     for key, value in module.__dict__.items():
         if isinstance(value, (dict, set, list)) and not key.startswith("_autockpt"):

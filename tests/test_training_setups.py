@@ -232,11 +232,23 @@ def test_fsdp2_fully_shard_on_the_root_matches(dist_results: list[dict[str, Any]
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_fsdp2_fully_shard_per_block_is_not_supported(dist_results: list[dict[str, Any]],
-                                                      mode: str) -> None:
-    """The transformed forward calls the blocks' submodules, never a block itself, so the
-    hooks fully_shard(block) relies on to gather the block's parameters never run."""
+def test_fsdp2_fully_shard_per_block_with_keep_whole_matches(dist_results: list[dict[str, Any]],
+                                                             mode: str) -> None:
+    """torchtitan's recipe: apply(..., keep_whole="blocks.*"), then fully_shard(block) for each
+    block and fully_shard(model): the segments call the blocks, so FSDP2's hooks gather their
+    parameters; three steps equal FSDP2 without autockpt."""
+    _assert_scenario_matches(dist_results, f"fsdp2/{mode}/blocks")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_fully_shard_per_block_without_keep_whole_is_refused(
+        dist_results: list[dict[str, Any]], mode: str) -> None:
+    """Without keep_whole the program runs the ops inside the blocks; the hooks fully_shard
+    adds afterwards would never run, so the first forward says so instead of training on
+    sharded parameters."""
     for out in dist_results:
-        assert out[f"fsdp2/{mode}/blocks"]["error"] == (
-            "RuntimeError: aten.native_layer_norm.default got mixed torch.Tensor and DTensor, "
-            "need to convert all torch.Tensor to DTensor before calling distributed operators!")
+        error = out[f"fsdp2/{mode}/blocks_inlined"]["error"]
+        assert error.startswith("AutockptError: hooks were registered on 'blocks.0'"), error
+        assert "keep_whole=" in error

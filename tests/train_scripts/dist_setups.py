@@ -1,7 +1,7 @@
 """One rank of the distributed training-setup tests (gloo on CPU, 127.0.0.1 only).
 
 Usage: python dist_setups.py RANK WORLD PORT DIRECTORY
-Trains the model of setups_model.py two steps (SGD) on per-rank data, wrapped in DDP or
+Trains the model of setups_model.py three steps (SGD) on per-rank data, wrapped in DDP or
 sharded with FSDP2 ``fully_shard``, once as it is and once transformed by autockpt, and
 writes DIRECTORY/result-RANK.pt: per scenario the gradients and parameters of both runs (or
 the error a scenario raised) for tests/test_training_setups.py to compare.
@@ -35,11 +35,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def train(wrapped: nn.Module, inner: nn.Module, micro: int = 1) -> dict[str, torch.Tensor]:
-    """Two SGD steps of ``micro`` micro-batches each (all but the last under DDP's no_sync);
+    """Three SGD steps of ``micro`` micro-batches each (all but the last under DDP's no_sync);
     the gradients of the last step and the parameters after it."""
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     torch.manual_seed(100 + RANK)  # per-rank dropout masks
-    for step in range(2):
+    for step in range(3):
         opt.zero_grad(set_to_none=True)
         for k in range(micro):
             x = batch(1000 * RANK + 10 * step + k)
@@ -90,12 +90,15 @@ def scenario_fsdp2(out: dict[str, Any]) -> None:
     from torch.distributed.fsdp import fully_shard
 
     for mode in MODES:
-        for label in ("root", "blocks"):
+        for label in ("root", "blocks", "blocks_inlined"):
             def make(auto: bool, mode: str = mode, label: str = label) -> tuple[nn.Module, nn.Module]:
                 model = build()
                 if auto:
-                    model = checkpointed(model, mode)
-                if label == "blocks":
+                    # torchtitan's order: activation checkpointing first, then sharding;
+                    # "blocks_inlined" forgets keep_whole, and must be refused.
+                    keep = "blocks.*" if label == "blocks" else ()
+                    model = checkpointed(model, mode, keep_whole=keep)
+                if label.startswith("blocks"):
                     for block in model.blocks:
                         fully_shard(block)
                 fully_shard(model)

@@ -54,16 +54,18 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
     return output.float().pow(2).mean()
 
 
-def checkpointed(model: nn.Module, mode: str, fraction: float | None = 0.4) -> nn.Module:
+def checkpointed(model: nn.Module, mode: str, fraction: float | None = 0.4,
+                 keep_whole: str | tuple[str, ...] = ()) -> nn.Module:
     """``autockpt.apply`` at ``fraction`` of the estimated peak without checkpointing (None:
     the least memory reachable); asserts that the plan checkpoints several segments, so a
     test using it can fail."""
     import autockpt
 
     x = batch(0)
-    baseline = autockpt.plan(model, (x,), mode=mode).baseline_peak_bytes
+    baseline = autockpt.plan(model, (x,), mode=mode, keep_whole=keep_whole).baseline_peak_bytes
     budget = None if fraction is None else fraction * baseline / 2**20
-    transformed = autockpt.apply(model, budget, example_inputs=(x,), mode=mode)
+    transformed = autockpt.apply(model, budget, example_inputs=(x,), mode=mode,
+                                 keep_whole=keep_whole)
     segments = len(autockpt.plan_of(transformed).segments)
     assert segments >= 2, f"only {segments} checkpointed segment(s) at {fraction}"
     return transformed

@@ -1,0 +1,185 @@
+"""FSDP2 sharded block by block, as large models are trained, and hooks on submodules.
+
+Two gloo processes on CPU run tests/train_scripts/fsdp_blocks.py: a GPT of our own and a
+Llama-style decoder from a small Hugging Face config, planned at half their peak without
+checkpointing with ``keep_whole`` naming the blocks, then sharded the way torchtitan does
+(``fully_shard(block)`` for each block, then the root). Over three AdamW steps the losses,
+the full gradients and the parameters equal the same FSDP2 setup without autockpt; each rank's
+measured activation peak stays within the budget's slack; a run saved at step 1 with
+``CheckpointManager`` (DCP, one shard per rank) and resumed into fresh models ends where the
+uninterrupted run ends. Four processes do the same for the GPT on a 2-D mesh (HSDP: replicate x
+shard). In one process: a hook registered after ``apply`` on a kept module runs
+as often as without autockpt (plus the recompute), on a module the graph traced into it is
+refused, and per-block ``torch.compile`` runs on top.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import autockpt
+from autockpt.planner import BUDGET_SLACK
+from tests.helpers import MODES, ROOT, assert_same_tensors, run_workers
+from tests.train_scripts.setups_model import batch, build, loss_of
+
+WORKER = ROOT / "tests" / "train_scripts" / "fsdp_blocks.py"
+MODELS = ("gpt", "llama")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    pytest.importorskip("transformers")
+    directory = tmp_path_factory.mktemp("fsdp_blocks")
+    return run_workers(WORKER, 2, directory, timeout_s=600, env={"OMP_NUM_THREADS": "1"})
+
+
+def _scenario(results: list[dict[str, Any]], rank: int, name: str, mode: str) -> dict[str, Any]:
+    out = results[rank][f"{name}/{mode}"]
+    assert "error" not in out, f"rank {rank}, {name}/{mode}:\n{out.get('traceback')}"
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", MODELS)
+def test_three_steps_equal_fsdp2_without_autockpt(results: list[dict[str, Any]], name: str,
+                                                 mode: str) -> None:
+    for rank in range(2):
+        out = _scenario(results, rank, name, mode)
+        assert "kept whole" in out["plan"] and "checkpointed" in out["plan"], out["plan"]
+        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(out["plain_losses"]))
+        assert_same_tensors(out["grads"], out["plain_grads"], what=f"rank {rank} grad ")
+        assert_same_tensors(out["params"], out["plain_params"], what=f"rank {rank} param ")
+    # The all-reduce made every rank's full parameters agree.
+    assert_same_tensors(_scenario(results, 0, name, mode)["params"],
+                        _scenario(results, 1, name, mode)["params"], what="rank 0 vs 1 ")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", MODELS)
+def test_each_rank_meets_the_budget_sharded(results: list[dict[str, Any]], name: str,
+                                            mode: str) -> None:
+    for rank in range(2):
+        out = _scenario(results, rank, name, mode)
+        budget = out["budget_bytes"]
+        assert out["peak_bytes"] <= budget * (1 + BUDGET_SLACK), (
+            f"rank {rank}, {name}/{mode}: measured {out['peak_bytes']} B with FSDP2, budget "
+            f"{budget} B (without autockpt {out['plain_peak_bytes']} B)\n{out['plan']}")
+        assert out["peak_bytes"] < out["plain_peak_bytes"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", MODELS)
+def test_dcp_save_and_resume_shard_by_shard(results: list[dict[str, Any]], name: str,
+                                            mode: str) -> None:
+    for rank in range(2):
+        out = _scenario(results, rank, name, mode)
+        assert out["resumed_step"] == 1
+        assert_same_tensors(out["resumed"], out["uninterrupted"], what=f"rank {rank} param ",
+                            exact=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hsdp_on_a_two_by_two_mesh(tmp_path: Any) -> None:
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    results = run_workers(WORKER, 4, tmp_path, timeout_s=600, env={"OMP_NUM_THREADS": "1"})
+    for rank in range(4):
+        out = _scenario(results, rank, "gpt", "non_reentrant")
+        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(out["plain_losses"]))
+        assert_same_tensors(out["grads"], out["plain_grads"], what=f"rank {rank} grad ")
+        assert_same_tensors(out["params"], out["plain_params"], what=f"rank {rank} param ")
+        assert out["peak_bytes"] <= out["budget_bytes"] * (1 + BUDGET_SLACK)
+        assert_same_tensors(out["resumed"], out["uninterrupted"], what=f"rank {rank} resumed ",
+                            exact=True)
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def _step(model: torch.nn.Module, seed: int = 3) -> None:
+    torch.manual_seed(seed)
+    loss_of(model(batch(seed))).backward()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hook_registered_after_apply_on_a_kept_block_runs(mode: str) -> None:
+    reference = build()
+    transformed = autockpt.apply(build(), None, example_inputs=(batch(0),), mode=mode,
+                                 keep_whole="blocks.*")
+    plan = autockpt.plan_of(transformed)
+    assert plan.kept_whole == tuple(f"blocks.{i}" for i in range(6))
+
+    def block(name: str, outside: int) -> int:
+        return int(name.split(".")[1]) if name.startswith("blocks.") else outside
+
+    recomputed = {i for segment in plan.segments if segment.depth == 0
+                  for i in range(block(segment.first_module, 0),
+                                 block(segment.last_module, 5) + 1)}
+    assert recomputed, plan
+    counts: dict[str, list[int]] = {"plain": [], "autockpt": []}
+    for label, model in (("plain", reference), ("autockpt", transformed)):
+        for i, block in enumerate(model.blocks):
+            block.register_forward_hook(lambda *_, i=i, label=label: counts[label].append(i))
+        _step(model)
+    plain, ours = sorted(counts["plain"]), sorted(counts["autockpt"])
+    assert plain == list(range(6))
+    # Each block once in forward, and at most once more when its segment is recomputed.
+    extra = list(ours)
+    for i in range(6):
+        extra.remove(i)
+    assert set(extra) <= recomputed and len(extra) == len(set(extra)), (ours, plan)
+
+
+def test_a_hook_on_a_block_the_graph_traced_into_is_refused() -> None:
+    transformed = autockpt.apply(build(), None, example_inputs=(batch(0),))
+    handle = transformed.blocks[3].register_forward_pre_hook(lambda *_: None)
+    with pytest.raises(autockpt.AutockptError, match="keep_whole") as info:
+        _step(transformed)
+    assert "'blocks.3'" in str(info.value)
+    handle.remove()
+    _step(transformed)  # without the hook it trains again
+
+
+def test_hooks_present_at_planning_are_kept_whole_and_not_run_while_profiling() -> None:
+    model = build()
+    calls: list[int] = []
+    model.blocks[1].register_forward_hook(lambda *_: calls.append(1))
+    transformed = autockpt.apply(model, None, example_inputs=(batch(0),))
+    assert calls == []  # profiling runs on fake tensors and leaves hooks alone
+    assert autockpt.plan_of(transformed).kept_whole == ("blocks.1",)
+    _step(transformed)
+    assert 1 <= len(calls) <= 2
+
+
+def test_per_block_torch_compile_on_top() -> None:
+    reference = build()
+    transformed = autockpt.apply(build(), None, example_inputs=(batch(0),),
+                                 keep_whole="blocks.*")
+    for block in transformed.blocks:
+        block.compile(backend="aot_eager")
+    for block in reference.blocks:
+        block.compile(backend="aot_eager")
+    _step(reference)
+    _step(transformed)
+    assert_same_tensors({n: p.grad for n, p in transformed.named_parameters()},
+                        {n: p.grad for n, p in reference.named_parameters()})
+
+
+def test_keep_whole_names_are_checked() -> None:
+    with pytest.raises(autockpt.InvalidArgumentError, match="no submodule") as info:
+        autockpt.plan(build(), (batch(0),), keep_whole="block.*")
+    assert "stem, blocks, head" in str(info.value)
+    with pytest.raises(autockpt.InvalidArgumentError, match="keep_whole must be"):
+        autockpt.plan(build(), (batch(0),), keep_whole=[3])
