@@ -149,7 +149,8 @@ def capture(
 # without their hooks (a hook must not run on fake tensors). torch.export inlines every module,
 # so such a model is captured by torch.fx (with leaves) or by the modules rung. A hook added
 # after planning to a module the graph traced into is found at the next forward
-# (:func:`autockpt.runtime.inlined_modules`), which then raises instead of skipping it.
+# (:func:`autockpt.runtime.inlined_modules`), which plans again with it kept whole, or raises
+# when that fails (blocks already sharded), never skipping it.
 
 
 def hooked_modules(module: nn.Module) -> tuple[str, ...]:

@@ -149,6 +149,29 @@ class RuntimeState:
             self.last_plan = variant.plan
             return variant, arguments
 
+    def replan_for_hooks(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         arguments: dict[str, Any], stale: _Variant) -> _Variant:
+        """Plan again with the submodules that got hooks after planning kept whole (NOTE
+        [ Module calls kept whole ] in :mod:`autockpt.capture`): running the old program
+        would skip their hooks."""
+        hooked = _hooked(stale)
+        with self._lock:
+            try:
+                variant = self._build(module, args, kwargs, arguments, stale.key, None)
+            except Exception as err:
+                shown = ", ".join(repr(n) for n in hooked[:4]) + (
+                    f" and {len(hooked) - 4} more" if len(hooked) > 4 else "")
+                raise AutockptError(
+                    f"hooks were registered on {shown} after autockpt planned this model, "
+                    "which runs the ops inside those modules instead of calling them, and "
+                    f"planning again with them kept whole failed ({type(err).__name__}: "
+                    f"{err})",
+                    fix=f"pass keep_whole={hooked[:4]!r} (or a pattern such as 'layers.*') "
+                    "to autockpt.apply, so that the first plan calls those modules whole",
+                ) from err
+            self.last_plan = variant.plan
+            return variant
+
     def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         """Plan and compile for these inputs now (``apply`` with example inputs)."""
         variant, _ = self.variant_for(module, args, kwargs)
@@ -278,21 +301,9 @@ def inlined_modules(module: nn.Module, graph: fx.Graph) -> tuple[tuple[str, nn.M
                  if name and not is_called(name))
 
 
-def _refuse_skipped_hooks(variant: _Variant) -> None:
-    """Raise when a submodule the program traced into has hooks now (added after planning):
-    running on would silently skip them."""
-    hooked = [name for name, sub in variant.inlined if has_hooks(sub)]
-    if hooked:
-        shown = ", ".join(repr(n) for n in hooked[:4]) + (
-            f" and {len(hooked) - 4} more" if len(hooked) > 4 else "")
-        raise AutockptError(
-            f"hooks were registered on {shown} after autockpt planned this model, which runs "
-            "the ops inside those modules instead of calling them: the hooks would never run "
-            "(FSDP2's fully_shard(block) would train on sharded parameters)",
-            fix=f"pass keep_whole={hooked[:4]!r} (or a pattern such as 'layers.*') to "
-            "autockpt.apply, so that segments call those modules whole, or register the hooks "
-            "before autockpt.apply plans",
-        )
+def _hooked(variant: _Variant) -> list[str]:
+    """Submodules the program traced into that have hooks now (added after planning)."""
+    return [name for name, sub in variant.inlined if has_hooks(sub)]
 
 
 def _rebuild(base: type[nn.Module]) -> nn.Module:
@@ -314,8 +325,8 @@ class _CheckpointedMixin(CheckpointedForward):
         if not how.checked_grads:
             _warn_if_accumulating(module, how)
         variant, arguments = how.variant_for(module, args, kwargs)
-        if variant.plan.segments:
-            _refuse_skipped_hooks(variant)
+        if variant.plan.segments and _hooked(variant):
+            variant = how.replan_for_hooks(module, args, kwargs, arguments, variant)
         return variant.run(module, args, kwargs, arguments)
 
     def _autockpt_run(self, variant_id: int, index: int, *inputs: Any) -> Any:

@@ -7,10 +7,10 @@ checkpointing with ``keep_whole`` naming the blocks, then sharded the way torcht
 the full gradients and the parameters equal the same FSDP2 setup without autockpt; each rank's
 measured activation peak stays within the budget's slack; a run saved at step 1 with
 ``CheckpointManager`` (DCP, one shard per rank) and resumed into fresh models ends where the
-uninterrupted run ends. Four processes do the same for the GPT on a 2-D mesh (HSDP: replicate x
-shard). In one process: a hook registered after ``apply`` on a kept module runs
-as often as without autockpt (plus the recompute), on a module the graph traced into it is
-refused, and per-block ``torch.compile`` runs on top.
+uninterrupted run ends; with each block compiled before it is sharded, the same. Four processes do the same for the GPT on a 2-D mesh (HSDP: replicate x
+shard). In one process: a hook registered after ``apply`` on a kept module runs as often as
+without autockpt (plus the recompute); one on a module the graph traced into makes the next
+forward plan again with that module kept whole; and per-block ``torch.compile`` runs on top.
 """
 
 from __future__ import annotations
@@ -91,6 +91,18 @@ def test_dcp_save_and_resume_shard_by_shard(results: list[dict[str, Any]], name:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_per_block_torch_compile_under_the_sharding(results: list[dict[str, Any]]) -> None:
+    """torchtitan compiles each block, then shards it: the same three steps as without
+    autockpt, compiled and sharded the same way (aot_eager)."""
+    for rank in range(2):
+        out = results[rank]["gpt/non_reentrant/compiled"]
+        assert "error" not in out, out.get("traceback")
+        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(out["plain_losses"]))
+        assert_same_tensors(out["params"], out["plain_params"], what=f"rank {rank} param ")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_hsdp_on_a_two_by_two_mesh(tmp_path: Any) -> None:
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
@@ -142,14 +154,19 @@ def test_a_hook_registered_after_apply_on_a_kept_block_runs(mode: str) -> None:
     assert set(extra) <= recomputed and len(extra) == len(set(extra)), (ours, plan)
 
 
-def test_a_hook_on_a_block_the_graph_traced_into_is_refused() -> None:
+def test_a_hook_on_a_block_the_graph_traced_into_makes_it_plan_again() -> None:
+    reference = build()
     transformed = autockpt.apply(build(), None, example_inputs=(batch(0),))
-    handle = transformed.blocks[3].register_forward_pre_hook(lambda *_: None)
-    with pytest.raises(autockpt.AutockptError, match="keep_whole") as info:
-        _step(transformed)
-    assert "'blocks.3'" in str(info.value)
-    handle.remove()
-    _step(transformed)  # without the hook it trains again
+    assert autockpt.plan_of(transformed).kept_whole == ()
+    counts: dict[str, int] = {"plain": 0, "autockpt": 0}
+    for label, model in (("plain", reference), ("autockpt", transformed)):
+        model.blocks[3].register_forward_pre_hook(
+            lambda *_, label=label: counts.__setitem__(label, counts[label] + 1))
+        _step(model)
+    assert autockpt.plan_of(transformed).kept_whole == ("blocks.3",)
+    assert counts["plain"] == 1 and counts["autockpt"] in (1, 2), counts
+    assert_same_tensors({n: p.grad for n, p in transformed.named_parameters()},
+                        {n: p.grad for n, p in reference.named_parameters()})
 
 
 def test_hooks_present_at_planning_are_kept_whole_and_not_run_while_profiling() -> None:

@@ -132,9 +132,11 @@ MESH: Any = None
 """The device mesh: None (1-D, every rank) with 2 processes, 2 x 2 (HSDP) with 4."""
 
 
-def setup(name: str, mode: str | None) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+def setup(name: str, mode: str | None, compiled: bool = False
+          ) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     """The model (transformed at half its baseline when ``mode`` is given) sharded block by
-    block, its optimizer, and the activation budget in bytes (0 without autockpt)."""
+    block (each compiled first with ``compiled``, as torchtitan does), its optimizer, and the
+    activation budget in bytes (0 without autockpt)."""
     build, batch, _, blocks = MODELS[name]
     model, budget = build(), 0
     if mode is not None:
@@ -145,6 +147,8 @@ def setup(name: str, mode: str | None) -> tuple[nn.Module, torch.optim.Optimizer
     from torch.distributed.fsdp import fully_shard
 
     for block in blocks(model):
+        if compiled:
+            block.compile(backend="aot_eager")
         fully_shard(block, mesh=MESH)
     fully_shard(model, mesh=MESH)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), budget
@@ -205,6 +209,17 @@ def scenario(out: dict[str, Any], name: str, mode: str) -> None:
     out[key]["resumed"] = snapshot(model)
 
 
+def compiled_scenario(out: dict[str, Any], name: str, mode: str) -> None:
+    """Per-block ``torch.compile`` under the sharding: the same three steps as without
+    autockpt, compiled the same way."""
+    key = f"{name}/{mode}/compiled"
+    plain, plain_opt, _ = setup(name, None, compiled=True)
+    model, optimizer, _ = setup(name, mode, compiled=True)
+    out[key] = {"plain_losses": train(name, plain, plain_opt, range(STEPS)),
+                "losses": train(name, model, optimizer, range(STEPS)),
+                "plain_params": snapshot(plain), "params": snapshot(model)}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
@@ -218,12 +233,15 @@ def main() -> None:
         scenarios = [("gpt", "non_reentrant")]
     out: dict[str, Any] = {}
     try:
-        for name, mode in scenarios:
+        runs = [(scenario, name, mode, f"{name}/{mode}") for name, mode in scenarios]
+        if WORLD == 2:
+            runs.append((compiled_scenario, "gpt", "non_reentrant", "gpt/non_reentrant/compiled"))
+        for run, name, mode, key in runs:
             try:
-                scenario(out, name, mode)
+                run(out, name, mode)
             except Exception as err:  # noqa: BLE001 - recorded for the test
-                out[f"{name}/{mode}"] = {"error": f"{type(err).__name__}: {err}",
-                                         "traceback": traceback.format_exc()}
+                out[key] = {"error": f"{type(err).__name__}: {err}",
+                            "traceback": traceback.format_exc()}
     finally:
         dist.destroy_process_group()
     torch.save(out, DIRECTORY / f"result-{RANK}.pt")
