@@ -350,8 +350,13 @@ class _ProfileRunner(fx.Interpreter):
         submodule = self.fetch_attr(target)
         if has_hooks(submodule):
             # Its hooks belong to the real step (FSDP2 gathers parameters in them, a profiler
-            # counts calls): see NOTE [ Module calls kept whole ] in autockpt/capture.py.
-            return submodule.forward(*args, **kwargs)
+            # counts calls): see NOTE [ Module calls kept whole ] in autockpt/capture.py. A
+            # module whose forward needs what a pre-hook computes (the old weight_norm's
+            # weight, from the fake weight_g and weight_v) runs with its hooks.
+            try:
+                return submodule.forward(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - any failure: the hooks are needed
+                pass
         return submodule(*args, **kwargs)
 
     def run_node(self, node: fx.Node) -> Any:

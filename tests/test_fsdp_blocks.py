@@ -200,3 +200,24 @@ def test_keep_whole_names_are_checked() -> None:
     assert "stem, blocks, head" in str(info.value)
     with pytest.raises(autockpt.InvalidArgumentError, match="keep_whole must be"):
         autockpt.plan(build(), (batch(0),), keep_whole=[3])
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
+def test_modules_whose_forward_needs_their_pre_hook_still_profile() -> None:
+    """The old ``weight_norm`` computes ``weight`` in a forward pre-hook: such a module is kept
+    whole like any hooked one, and profiled with its hook when its forward needs it."""
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[
+            torch.nn.utils.weight_norm(torch.nn.Linear(32, 32)) if i % 2 == 0
+            else torch.nn.Tanh() for i in range(12)])
+
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    reference = make()
+    transformed = autockpt.apply(make(), None, example_inputs=(x,))
+    assert autockpt.plan_of(transformed).segments
+    transformed(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert_same_tensors({n: p.grad for n, p in transformed.named_parameters()},
+                        {n: p.grad for n, p in reference.named_parameters()})
