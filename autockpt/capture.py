@@ -123,6 +123,8 @@ def capture(
                 _give_up_if_hopeless(fx_failure, keep_whole)
                 traced = trace_with_leaves(module, args, kwargs,
                                            leaves=[*keep_whole, str(fx_failure.module_path)])
+            if rung == "fx-leaves":
+                _refuse_leaves_around(traced, keep_whole)
         except TraceError as err:
             if method != "auto":
                 raise
@@ -132,8 +134,9 @@ def capture(
             continue
         if rung == "fx" and method == "auto" and not keep_whole:
             traced = _enter_torch_nn_containers(module, args, kwargs, traced)
-        traced.capture_reason = "; ".join(reasons + [traced.capture_reason] * bool(
-            traced.capture_reason))
+        if traced.capture_reason:  # what the rung itself noted comes after the earlier rungs
+            reasons.append(traced.capture_reason)
+        traced.capture_reason = "; ".join(reasons)
         return traced
     raise AssertionError("unreachable: the ladder ends with 'modules'")
 
@@ -179,9 +182,9 @@ def has_hooks(module: nn.Module) -> bool:
 # inside it, nothing saved. torch.export traces through them down to aten ops whose
 # ``nn_module_stack`` still names each layer, so such a graph goes to the export rung instead.
 # A torch.nn module with fewer than two modules inside that hold parameters
-# (``MultiheadAttention``: its ``out_proj``, a ``Linear``) stays a leaf: there is no layer boundary inside it to cut at, and
-# it is still checkpointed whole as a node of the plan. When export fails, the fx graph with
-# the containers kept whole is used, as before.
+# (``MultiheadAttention``: its ``out_proj``, a ``Linear``) stays a leaf: there is no layer
+# boundary inside it to cut at, and it is still checkpointed whole as a node of the plan.
+# When export fails, the fx graph with the containers kept whole is used, as before.
 
 
 def _opaque_containers(traced: TracedModel) -> list[str]:
@@ -213,6 +216,20 @@ def _enter_torch_nn_containers(module: nn.Module, args: tuple[Any, ...],
         return traced
     exported.capture_reason = whole
     return exported
+
+
+def _refuse_leaves_around(traced: TracedModel, keep_whole: Sequence[str]) -> None:
+    """Raise when torch.fx failed in a module that holds modules to keep whole: the graph
+    would have that whole module as one node, nothing to plan inside (the modules rung
+    checkpoints the kept modules themselves)."""
+    for node in traced.graph.nodes:
+        target = str(node.target)
+        if node.op == "call_module" and any(name.startswith(target + ".")
+                                            for name in keep_whole):
+            raise TraceError(
+                f"torch.fx fails in {target!r}, which holds modules to keep whole",
+                fix="autockpt.apply(..., capture='modules') checkpoints the kept modules "
+                "themselves")
 
 
 def _names(names: Sequence[str], limit: int = 4) -> str:

@@ -221,3 +221,48 @@ def test_modules_whose_forward_needs_their_pre_hook_still_profile() -> None:
     reference(x).pow(2).mean().backward()
     assert_same_tensors({n: p.grad for n, p in transformed.named_parameters()},
                         {n: p.grad for n, p in reference.named_parameters()})
+
+
+def test_kept_blocks_inside_a_module_fx_cannot_trace_go_to_the_module_rung() -> None:
+    """torch.fx fails in ``body`` (it branches on a size), which holds the blocks to keep
+    whole; keeping ``body`` whole would leave nothing to plan, so the modules rung
+    checkpoints the blocks themselves."""
+
+    class Body(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 1:
+                x = x * 2
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = Body(), torch.nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return Wrapped()
+
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+    # sqrt: segments whatever the budget, so that checkpointed blocks are under test.
+    transformed = autockpt.apply(make(), None, example_inputs=(x,), keep_whole="body.layers.*",
+                                 strategy="sqrt")
+    plan = autockpt.plan_of(transformed)
+    assert plan.capture == "modules", plan
+    assert "holds modules to keep whole" in plan.capture_reason
+    assert plan.segments, plan
+    reference = make()
+    transformed(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert_same_tensors({n: p.grad for n, p in transformed.named_parameters()},
+                        {n: p.grad for n, p in reference.named_parameters()})
