@@ -42,6 +42,7 @@ from torch import nn
 from autockpt.errors import AutockptError, TraceError
 from autockpt.trace import (TraceSpec, TracedModel, base_class, bind_inputs, has_attr_path,
                             shallow_view, trace)
+from autockpt.units import format_names
 
 __all__ = ["CAPTURES", "RUNGS", "NoGraph", "capture", "export_trace", "has_hooks",
            "hooked_modules", "trace_with_leaves"]
@@ -112,7 +113,7 @@ def capture(
                 if keep_whole:
                     raise TraceError(
                         f"torch.export inlines every module call, and {len(keep_whole)} must "
-                        f"stay whole ({_names(keep_whole)})",
+                        f"stay whole ({format_names(keep_whole)})",
                         fix="use a rung that keeps module calls: 'fx', 'fx-leaves' or "
                         "'modules'")
                 traced = export_trace(module, args, kwargs)
@@ -230,11 +231,6 @@ def _refuse_leaves_around(traced: TracedModel, keep_whole: Sequence[str]) -> Non
                 f"torch.fx fails in {target!r}, which holds modules to keep whole",
                 fix="autockpt.apply(..., capture='modules') checkpoints the kept modules "
                 "themselves")
-
-
-def _names(names: Sequence[str], limit: int = 4) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _first_line(message: str, limit: int = 160) -> str:

@@ -103,7 +103,7 @@ from autockpt.profile import profile
 from autockpt.runner import SegmentObserver, SegmentRun, observe_segments
 from autockpt.stats import Profile
 from autockpt.trace import base_class, bind_inputs, trace
-from autockpt.units import format_bytes
+from autockpt.units import format_bytes, format_names
 
 __all__ = ["diagnose"]
 
@@ -1468,9 +1468,8 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _names(names: Sequence[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+def _names(names: Sequence[str]) -> str:
+    return format_names(names, limit=6)
 
 
 def _common_owner(names: Sequence[str]) -> str:

@@ -6,7 +6,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from autockpt.units import format_bytes, format_flops
+from autockpt.units import format_bytes, format_flops, format_names
 
 # NOTE [ Rendering sits above the data it renders ]
 # planner (Plan, Segment) and findings (Report) import this module to render themselves in
@@ -98,9 +98,8 @@ def plan_summary(plan: Plan) -> list[str]:
         # Only worth a line when it differs from the default: timed plans are not reproducible.
         header.append(f"  cost model      {plan.cost_model} (node times measured on the device)")
     if plan.kept_whole:
-        shown = ", ".join(plan.kept_whole[:4]) + (
-            f" and {len(plan.kept_whole) - 4} more" if len(plan.kept_whole) > 4 else "")
-        header.append(f"  kept whole      {shown} (called as modules, so that their hooks run)")
+        header.append(f"  kept whole      {format_names(plan.kept_whole)} (called as modules, "
+                      "so that their hooks run)")
     if plan.capture != "fx":
         # Only worth a line when the first rung of the ladder failed: it says why.
         header.append(f"  captured by     {CAPTURE_LABELS.get(plan.capture, plan.capture)}")

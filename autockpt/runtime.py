@@ -36,6 +36,7 @@ from autockpt.planner import Plan
 from autockpt.rewrite import Program, SegmentProgram
 from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
 from autockpt.trace import base_class, bind_inputs, generated_subclass, shallow_view
+from autockpt.units import format_names
 
 __all__ = [
     "RuntimeState",
@@ -159,8 +160,7 @@ class RuntimeState:
             try:
                 variant = self._build(module, args, kwargs, arguments, stale.key, None)
             except Exception as err:
-                shown = ", ".join(repr(n) for n in hooked[:4]) + (
-                    f" and {len(hooked) - 4} more" if len(hooked) > 4 else "")
+                shown = format_names([repr(name) for name in hooked])
                 raise AutockptError(
                     f"hooks were registered on {shown} after autockpt planned this model, "
                     "which runs the ops inside those modules instead of calling them, and "

@@ -9,10 +9,11 @@ Example:
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 from autockpt.errors import InvalidArgumentError
 
-__all__ = ["format_bytes", "format_flops", "format_seconds"]
+__all__ = ["format_bytes", "format_flops", "format_names", "format_seconds"]
 
 _BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
@@ -99,3 +100,14 @@ def format_seconds(seconds: float) -> str:
     if seconds < 1.0:
         return f"{seconds * 1e3:.1f} ms"
     return f"{seconds:.2f} s"
+
+
+def format_names(names: Sequence[str], limit: int = 4) -> str:
+    """The first ``limit`` names joined with commas, and how many more there are.
+
+    Example:
+        >>> format_names(["a", "b", "c"], limit=2)
+        'a, b and 1 more'
+    """
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"

@@ -38,16 +38,21 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_workers(WORKER, 2, directory, timeout_s=600, env={"OMP_NUM_THREADS": "1"})
 
 
+def _each_scenario(test: Any) -> Any:
+    """Marks a test that reads the two-process run, once per model and mode."""
+    for mark in (pytest.mark.parametrize("name", MODELS), pytest.mark.parametrize("mode", MODES),
+                 pytest.mark.slow, pytest.mark.distributed):
+        test = mark(test)
+    return test
+
+
 def _scenario(results: list[dict[str, Any]], rank: int, name: str, mode: str) -> dict[str, Any]:
     out = results[rank][f"{name}/{mode}"]
     assert "error" not in out, f"rank {rank}, {name}/{mode}:\n{out.get('traceback')}"
     return out
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", MODELS)
+@_each_scenario
 def test_three_steps_equal_fsdp2_without_autockpt(results: list[dict[str, Any]], name: str,
                                                  mode: str) -> None:
     for rank in range(2):
@@ -61,10 +66,7 @@ def test_three_steps_equal_fsdp2_without_autockpt(results: list[dict[str, Any]],
                         _scenario(results, 1, name, mode)["params"], what="rank 0 vs 1 ")
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", MODELS)
+@_each_scenario
 def test_each_rank_meets_the_budget_sharded(results: list[dict[str, Any]], name: str,
                                             mode: str) -> None:
     for rank in range(2):
@@ -76,10 +78,7 @@ def test_each_rank_meets_the_budget_sharded(results: list[dict[str, Any]], name:
         assert out["peak_bytes"] < out["plain_peak_bytes"]
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", MODELS)
+@_each_scenario
 def test_dcp_save_and_resume_shard_by_shard(results: list[dict[str, Any]], name: str,
                                             mode: str) -> None:
     for rank in range(2):
