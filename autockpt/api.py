@@ -47,6 +47,7 @@ def apply(
     total_mb: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     keep_whole: str | Sequence[str] = (),
+    chunk_head: bool = True,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with activation memory within ``budget_mb``.
 
@@ -103,6 +104,13 @@ def apply(
             one name (``"layers.*"``: each child of ``layers``). A segment then contains each
             of them whole, and its recompute calls them again (their hooks run once more, as
             with any checkpoint). See docs/training-setups.md.
+        chunk_head: let the plan run the end of the step, from the final norm through the
+            head's projection to a cross-entropy inside the model (a Hugging Face model given
+            ``labels=``, or :func:`autockpt.with_loss`), in chunks of tokens, when that pays:
+            the whole logits never exist, forward makes each chunk's gradients (nothing
+            is recomputed; backward runs once per forward), and the logits the model
+            returns beside the loss are ``None``. ``False`` keeps the head
+            whole and the logits returned. See docs/chunked-head.md.
 
     Example:
         >>> import torch, autockpt
@@ -143,7 +151,7 @@ def apply(
         step["grad_accumulation"] = plan.grad_accumulation
     config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan,
                          capture=capture, cost=cost, keep_whole=whole_modules(model, keep_whole),
-                         **step)
+                         chunk_head=_check_flag("chunk_head", chunk_head), **step)
     # A transformed module can be applied again: the new one shares the same tree.
     transformed = make_checkpointed(model, config)
     if example_inputs is not None or example_kwargs is not None:
@@ -168,6 +176,7 @@ def plan(
     total_mb: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     keep_whole: str | Sequence[str] = (),
+    chunk_head: bool = True,
 ) -> Plan:
     """Plan checkpoint segments for ``model`` at these inputs without changing anything.
 
@@ -183,7 +192,7 @@ def plan(
         True
 
     ``capture``, ``cost``, ``loss_fn``, ``grad_accumulation``, ``total_mb``, ``optimizer``
-    and ``keep_whole`` are as for :func:`apply`. With ``total_mb`` a model built on the meta
+    ``keep_whole`` and ``chunk_head`` are as for :func:`apply`. With ``total_mb`` a model built on the meta
     device plans too, so whether a model fits a GPU, and how, is answered before renting one.
 
     Raises:
@@ -200,7 +209,7 @@ def plan(
 
     config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy,
                          capture=capture, cost=cost, keep_whole=whole_modules(model, keep_whole),
-                         **step)
+                         chunk_head=_check_flag("chunk_head", chunk_head), **step)
 
     def run() -> Plan:
         return make_any_plan(model, args, kwargs, config)
@@ -296,6 +305,13 @@ def _budget_bytes(budget_mb: Any, name: str = "budget_mb") -> int | None:
             fix=f"pass e.g. {name}=300 for 300 MiB, or None for the least memory reachable",
         )
     return max(1, int(value * MIB))
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be True or False, got {value!r}",
+                                   fix=f"pass {name}=True or {name}=False")
+    return value
 
 
 def _check_step(budget_mb: Any, loss_fn: Any, grad_accumulation: Any, total_mb: Any,

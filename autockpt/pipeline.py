@@ -28,12 +28,13 @@ from torch import nn
 from autockpt import modules
 from autockpt.budget import DeviceBudget, device_budget
 from autockpt.capture import NoGraph, capture, hooked_modules
+from autockpt.chunking import chunk_rows, chunked_head, find_row_stretch
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.loss import LossFn
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import profile
 from autockpt.rewrite import Program, graph_fingerprint, rewrite
-from autockpt.stats import LOSS_OP
+from autockpt.stats import LOSS_OP, ChunkedHead, Profile, RowStretch
 from autockpt.timing import time_nodes
 from autockpt.trace import TracedModel, base_class, bind_inputs, shallow_view
 from autockpt.units import format_bytes
@@ -82,6 +83,9 @@ class ApplyConfig:
     keep_whole: tuple[str, ...] = ()
     """Qualified names of submodules whose calls stay module calls (NOTE [ Module calls kept
     whole ] in :mod:`autockpt.capture`)."""
+    chunk_head: bool = True
+    """Whether the plan may run the head and a cross-entropy in chunks of rows (NOTE [ The
+    head in chunks of rows ] in :mod:`autockpt.chunking`)."""
 
 
 @dataclass(frozen=True)
@@ -223,24 +227,108 @@ def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any]
                config: ApplyConfig) -> GraphPlan:
     """Profile a captured graph and the loss on fake tensors and plan it. With
     ``cost="profile"`` the nodes are also timed on the real device and the planner weighs
-    recompute by time."""
+    recompute by time. Where the graph ends in a head and a cross-entropy that act on each
+    row, the same graph with that stretch in chunks of rows is planned too, and the plan that
+    fits at the least cost (or, with no budget, reaches the least memory) is kept (NOTE
+    [ The head in chunks of rows ] in :mod:`autockpt.chunking`)."""
     budget_bytes, device = resolve_budget(module, (), arguments, config)
     inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
+    plain, plain_error, stats = _plan_traced(module, traced, inputs, config, budget_bytes, device)
+    stretch = find_row_stretch(traced.graph_module) if config.chunk_head else None
+    if stretch is None or (plain is not None and not _chunking_may_pay(plain, stats, stretch)):
+        if plain is None:
+            assert plain_error is not None
+            raise plain_error
+        return plain
+    members = set(stretch.nodes)
+    forward_flops = sum(n.flops for n in stats.nodes if n.name in members)
+    head = chunked_head(stretch)
+    chunked_traced = chunk_rows(traced, head)
+    try:
+        chunked, chunked_error, _ = _plan_traced(module, chunked_traced, inputs, config,
+                                                 budget_bytes, device, head, forward_flops)
+    except InvalidArgumentError:
+        # The user's loss_fn reads the logits the chunked graph no longer returns.
+        chunked, chunked_error = None, None
+    if chunked is None:
+        if plain is None:
+            assert plain_error is not None
+            raise chunked_error if chunked_error is not None else plain_error
+        return _with_note(plain, _not_chunked(head, "it cannot run here"))
+    chunked = replace(chunked, plan=replace(
+        chunked.plan,
+        baseline_peak_bytes=max(chunked.plan.baseline_peak_bytes,
+                                plain.plan.baseline_peak_bytes if plain else 0),
+        min_peak_bytes=min(chunked.plan.min_peak_bytes,
+                           plain.plan.min_peak_bytes if plain else chunked.plan.min_peak_bytes)))
+    if plain is None:
+        return chunked
+    plain = replace(plain, plan=replace(plain.plan, min_peak_bytes=min(
+        plain.plan.min_peak_bytes, chunked.plan.min_peak_bytes)))
+    if budget_bytes is None:
+        pays = chunked.plan.estimated_peak_bytes < plain.plan.estimated_peak_bytes * 0.99
+        reason = "it would not lower the least memory"
+    else:
+        pays = chunked.plan.recompute_flops < plain.plan.recompute_flops
+        reason = "the budget is met at less recompute without it"
+    return chunked if pays else _with_note(plain, _not_chunked(head, reason))
+
+
+def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
+                 config: ApplyConfig, budget_bytes: int | None, device: DeviceBudget | None,
+                 head: ChunkedHead | None = None, head_forward_flops: int = 0
+                 ) -> tuple[GraphPlan | None, InfeasibleBudgetError | None, Profile]:
+    """Profile and plan one graph; an infeasible budget is returned, not raised, so that
+    the caller can try the graph with the head in chunks (``head``, whose stretch's forward
+    costs ``head_forward_flops``)."""
     stats = profile(traced, inputs, loss_fn=config.loss_fn)
+    if head is not None:
+        # The chunked node's FLOPs are the stretch's forward and backward: the model's
+        # forward FLOPs stay the model's.
+        made = sum(n.flops for n in stats.nodes
+                   if n.op == "call_function" and n.target == "chunked_rows")
+        head = replace(head, gradient_flops=max(0, made - head_forward_flops))
     if config.cost == "profile":
         times = iter(time_nodes(traced, inputs))
         # The loss node is the user's code, never recomputed: it needs no time.
         stats = replace(stats, nodes=tuple(
             replace(node, time_ns=0 if node.op == LOSS_OP else next(times))
             for node in stats.nodes))
-    with _whole_device(device):
-        plan = make_plan(stats, budget_bytes, strategy=config.strategy, mode=config.mode,
-                         model=base_class(module).__name__,
-                         grad_accumulation=config.grad_accumulation)
+    try:
+        with _whole_device(device):
+            plan = make_plan(stats, budget_bytes, strategy=config.strategy, mode=config.mode,
+                             model=base_class(module).__name__,
+                             grad_accumulation=config.grad_accumulation)
+    except InfeasibleBudgetError as err:
+        return None, err, stats
     plan = replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
                    capture=traced.capture, capture_reason=traced.capture_reason,
-                   cost_model=config.cost, device=device, kept_whole=config.keep_whole)
-    return GraphPlan(traced, plan)
+                   cost_model=config.cost, device=device, kept_whole=config.keep_whole,
+                   chunked_head=head,
+                   forward_flops=plan.forward_flops - (head.gradient_flops if head else 0))
+    return GraphPlan(traced, plan), None, stats
+
+
+def _chunking_may_pay(plain: GraphPlan, stats: Profile, stretch: RowStretch) -> bool:
+    """Whether planning the graph again with the head in chunks is worth its time: not when
+    the budget is met without recomputing anything, nor when the stretch's activations are a
+    small part of the peak."""
+    plan = plain.plan
+    if plan.budget_bytes is not None and plan.baseline_peak_bytes <= plan.budget_bytes:
+        return False
+    members = {n.index for n in stats.nodes if n.name in set(stretch.nodes)}
+    stretch_bytes = sum(s.size_bytes for s in stats.storages if s.producer in members)
+    return stretch_bytes * 20 >= plan.estimated_peak_bytes
+
+
+def _not_chunked(head: ChunkedHead, reason: str) -> str:
+    return (f"the head ({head.stretch.first_module or head.stretch.nodes[0]} .. "
+            f"{head.stretch.loss}) was priced in {head.chunks} chunks of rows and is kept "
+            f"whole: {reason}")
+
+
+def _with_note(planned: GraphPlan, note: str) -> GraphPlan:
+    return replace(planned, plan=replace(planned.plan, notes=(*planned.plan.notes, note)))
 
 
 def fit_plan(plan: Plan, traced: TracedModel) -> GraphPlan:
@@ -303,6 +391,8 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             return made
         modules.blocks_of_plan(made.profile, plan)  # a given plan must name these blocks
         return BlockPlan(plan, made.profile)
+    if plan is not None and plan.chunked_head is not None:
+        traced = chunk_rows(traced, plan.chunked_head)
     planned = (fit_plan(plan, traced) if plan is not None
                else plan_graph(module, traced, arguments, config))
     return Compiled(planned, compile_plan(module, planned, variant_id))

@@ -36,7 +36,7 @@ from autockpt.memory_model import (Ranges, Tree, as_tree, estimate_peak, estimat
 from autockpt.nested import nested_plans
 from autockpt.optimal import least_peak, optimal_ranges
 from autockpt.report import format_plan
-from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile
+from autockpt.stats import LOSS_OP, ChunkedHead, LossStat, NodeStat, Profile
 
 __all__ = ["Segment", "Plan", "make_plan", "STRATEGIES", "MODES", "BUDGET_SLACK"]
 
@@ -155,6 +155,11 @@ class Plan:
     kept_whole: tuple[str, ...] = ()
     """Submodules whose calls the plan keeps as module calls (``keep_whole``), so that hooks on
     them (FSDP2's ``fully_shard``, profilers) run; segments contain them whole."""
+    chunked_head: ChunkedHead | None = None
+    """When the plan runs the end of the step (final norm, the head's projection, a
+    cross-entropy) in chunks of rows: which nodes, how many chunks, and the FLOPs their
+    recompute costs (counted in :attr:`recompute_flops`). The logits the model returned beside
+    the loss are then ``None``."""
     cost_model: str = "flops"
     """What the recompute cost the segments were chosen by measures: ``"flops"`` (FLOPs plus
     bytes written, from the fake-tensor profile; the same plan every time) or ``"profile"``

@@ -383,7 +383,22 @@ class _ProfileRunner(fx.Interpreter):
         elif node.op == "call_module":
             value = self._run_module(node, saved_now)
         else:
+            recorder = getattr(node.target, "record_parameter_gradients", None)
+            recorded = recorder() if recorder is not None else []
             value = self.evaluate(node)
+            if recorded:
+                # Gradients of parameters made in forward (the chunked head's, NOTE
+                # [ Gradients in forward ] in autockpt.chunking) become the parameters'
+                # ``.grad`` as they are, as measure counts them: not activations. Not so for
+                # a parameter an earlier node reads too (tied embeddings): autograd adds
+                # that reader's gradient to a new buffer, and this one stays an activation
+                # until then.
+                earlier = set().union(*self._param_reads) if self._param_reads else set()
+                grads = [g for param, g in recorded if storage_key(param) not in earlier]
+                self._param_keys.update(storage_key(g) for g in grads)
+                watcher.peak_bytes = max(0, watcher.peak_bytes - sum(
+                    g.untyped_storage().nbytes() for g in grads))
+                recorded.clear()
         self.env[node] = value
         written = watcher.written
         mutated_buffers = {self._buffer_names[k] for k in written if k in self._buffer_names}
@@ -420,7 +435,14 @@ class _ProfileRunner(fx.Interpreter):
             backward = accumulate = None
             if probed is not None:
                 backward, accumulate = (probed[0], probed[1]), probed[0]
-                if with_params is not None:
+                if with_params is not None and getattr(node.target, "makes_every_gradient",
+                                                       False):
+                    # Its backward makes its parameters' gradients even when only the
+                    # activations' are asked for: they are in ``probed`` as temporaries,
+                    # but they become ``.grad`` (or wait for a tied reader) as any other's.
+                    backward = (with_params[0], probed[1])
+                    accumulate = with_params[2]
+                elif with_params is not None:
                     # See NOTE [ Temporaries of parameter gradients ].
                     backward = (max(probed[0], with_params[0]), probed[1])
                     accumulate = max(probed[0], with_params[2])
@@ -490,6 +512,10 @@ class _ProfileRunner(fx.Interpreter):
             saves_fresh=saves_fresh,
         )
         node.meta["autockpt"] = stat
+        if isinstance(value, torch.Tensor):
+            # Shapes for the passes that read them after the profile (autockpt.chunking).
+            node.meta["autockpt_tensor"] = (tuple(int(d) for d in value.shape),
+                                            value.dtype, value.requires_grad)
         self._stats.append(stat)
         return value
 
@@ -533,7 +559,8 @@ class _ProfileRunner(fx.Interpreter):
             backward = (sum(grads), grads, sum(grads))
             held = slots_of(producers)
         elif own_loss is not None:
-            kind, name = "inner", "the model's own loss (output.loss)"
+            kind = "inner"
+            name = "its scalar output" if own_loss is output else "output.loss"
             key = storage_key(own_loss)
             inputs = [i for i in producers
                       if any(storage_key(t) == key for t in tensors(env.get(i)))][:1]

@@ -100,6 +100,16 @@ def plan_summary(plan: Plan) -> list[str]:
     if plan.kept_whole:
         header.append(f"  kept whole      {format_names(plan.kept_whole)} (called as modules, "
                       "so that their hooks run)")
+    head = plan.chunked_head
+    if head is not None:
+        stretch = head.stretch
+        header.append(
+            f"  head            {head.chunks} chunks of {head.chunk_rows} rows: "
+            f"{stretch.first_module or stretch.nodes[0]} .. {stretch.last_module or stretch.projection}"
+            f" -> {stretch.loss} (the {stretch.rows} x {stretch.width} logits never whole; "
+            f"gradients made in forward, {format_flops(head.gradient_flops)})")
+        if stretch.returned:
+            header.append(f"                  {format_names(stretch.returned)} returned as None")
     if plan.capture != "fx":
         # Only worth a line when the first rung of the ladder failed: it says why.
         header.append(f"  captured by     {CAPTURE_LABELS.get(plan.capture, plan.capture)}")
@@ -124,6 +134,8 @@ def loss_summary(plan: Plan) -> str:
         return (f"not given, assumed an output-sized gradient; pass loss_fn "
                 f"({format_bytes(loss.grad_bytes)} assumed)")
     if loss.kind == "inner":
+        if loss.name != "output.loss":
+            return f"the model's own ({loss.name})"
         return "the model's own (output.loss); the rest of the output is dropped before backward"
     return (f"loss_fn {loss.name}: saves {format_bytes(loss.saved_bytes)}, sends "
             f"{format_bytes(loss.grad_bytes)} of gradient into the output")

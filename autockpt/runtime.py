@@ -90,7 +90,7 @@ class _Variant:
                 state.installed = self
             return base_class(module).forward(module, *args, **kwargs)
         assert self.program is not None
-        if not self.plan.segments:
+        if not self.plan.segments and self.plan.chunked_head is None:
             # Nothing to checkpoint: the user's own forward runs the same ops without the
             # generated code's per-node Python (an exported graph of a large model has
             # thousands of aten calls).
@@ -325,7 +325,7 @@ class _CheckpointedMixin(CheckpointedForward):
         if not how.checked_grads:
             _warn_if_accumulating(module, how)
         variant, arguments = how.variant_for(module, args, kwargs)
-        if variant.plan.segments and _hooked(variant):
+        if (variant.plan.segments or variant.plan.chunked_head) and _hooked(variant):
             variant = how.replan_for_hooks(module, args, kwargs, arguments, variant)
         return variant.run(module, args, kwargs, arguments)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["NodeStat", "StorageStat", "LossStat", "Profile", "node_cost", "LOSS_OP", "assume_loss"]
+__all__ = ["NodeStat", "StorageStat", "LossStat", "Profile", "node_cost", "LOSS_OP", "assume_loss",
+           "RowStretch", "ChunkedHead"]
 
 LOSS_OP = "loss"
 """The ``op`` of the node that stands for the training step's loss, just before the output
@@ -143,6 +144,71 @@ class LossStat:
     """Bytes of the gradients it hands to the model's outputs."""
     work_bytes: int
     """Most new bytes alive at once while the loss is computed."""
+
+
+@dataclass(frozen=True)
+class RowStretch:
+    """The end of a graph that acts on each row alone and reduces to the loss: a final norm,
+    the head's projection and a cross-entropy (NOTE [ The head in chunks of rows ] in
+    :mod:`autockpt.chunking`). Nodes are named as in the captured graph."""
+
+    source: str
+    """The node whose value feeds the stretch: the hidden states."""
+    nodes: tuple[str, ...]
+    """The stretch's nodes in graph order; the last is :attr:`loss`."""
+    kinds: tuple[str, ...]
+    """How each of :attr:`nodes` acts on rows: ``"view"``, ``"copy"``, ``"identity"``,
+    ``"pointwise"``, ``"reduce"``, ``"softmax"``, ``"norm"``, ``"projection"`` or
+    ``"loss"``."""
+    dropped: tuple[str, ...]
+    """Metadata checks on its values (``_assert_tensor_metadata``), removed with it."""
+    loss: str
+    """The cross-entropy node that ends it."""
+    projection: str
+    """The node that projects each row to the classes (the vocabulary)."""
+    side: tuple[tuple[str, int], ...]
+    """Row-aligned inputs without gradient, chunked with the rows (the targets first), each
+    with the number of trailing dimensions a row keeps (0 for class targets)."""
+    whole: tuple[str, ...]
+    """Nodes it reads whole: parameters, values broadcast along the last dimension."""
+    attributes: tuple[str, ...]
+    """Parameters of modules called in it, by qualified name."""
+    returned: tuple[str, ...]
+    """Its values the graph returned (the logits): returned as ``None`` once chunked."""
+    rows: int
+    """Rows of the loss's input (tokens in the batch)."""
+    hidden_width: int
+    """Last dimension of the source."""
+    width: int
+    """Classes per row (the vocabulary)."""
+    reduction: str
+    """``"mean"`` or ``"sum"``."""
+    ignore_index: int
+    """Targets equal to it count for nothing, and not in a mean's count."""
+    label_smoothing: float
+    """The cross-entropy's label smoothing."""
+    class_targets: bool
+    """Whether the targets are class indices (else probabilities per class)."""
+    first_module: str
+    """Module path of its first node."""
+    last_module: str
+    """Module path of the projection."""
+
+
+@dataclass(frozen=True)
+class ChunkedHead:
+    """How a plan runs a :class:`RowStretch`: in chunks of rows, each chunk's loss and
+    gradients made in forward."""
+
+    stretch: RowStretch
+    """What is chunked."""
+    chunks: int
+    """How many chunks of rows."""
+    chunk_rows: int
+    """Rows per chunk (the last may have fewer)."""
+    gradient_flops: int
+    """FLOPs of the stretch's backward, which its forward runs chunk by chunk (nothing of it
+    is recomputed: NOTE [ Gradients in forward ] in :mod:`autockpt.chunking`)."""
 
 
 @dataclass(frozen=True)
