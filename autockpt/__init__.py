@@ -33,6 +33,7 @@ from autockpt.errors import (
 )
 from autockpt.findings import Finding, Report
 from autockpt.lint import lint
+from autockpt.loss import WithLoss, with_loss
 from autockpt.measure import MemoryReport, measure, track_activation_memory
 from autockpt.planner import STRATEGIES, Plan, Segment
 from autockpt.plot import MemoryCurves, draw_memory, memory_curves, plot_memory
@@ -62,6 +63,7 @@ __all__ = [
     "ShapeMismatch",
     "TraceError",
     "TrainingState",
+    "WithLoss",
     "__version__",
     "apply",
     "diagnose",
@@ -76,4 +78,5 @@ __all__ = [
     "plot_memory",
     "save_checkpoint",
     "track_activation_memory",
+    "with_loss",
 ]

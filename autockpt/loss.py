@@ -6,7 +6,8 @@ same meaning, and without it uses the same default, :func:`default_loss`.
 
 # NOTE [ The default loss ]
 A model whose output holds its own loss (a Hugging Face model given ``labels=``, any model
-that returns a mapping with a scalar ``"loss"``) is trained on that loss: the default is that
+that returns a mapping with a scalar ``"loss"``, or that returns a scalar, as
+:func:`with_loss` does) is trained on that loss: the default is that
 tensor, as the user's ``model(**batch).loss.backward()`` does, and the logits beside it get no
 gradient from the loss. Any other output is reduced by summing every floating-point tensor
 that requires grad, in at least float32 without a converted copy. Such a sum sends a broadcast
@@ -24,11 +25,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from autockpt.errors import InvalidArgumentError
 
 __all__ = ["LossFn", "NAMED_LOSSES", "default_loss", "inner_loss", "named_loss", "check_loss_fn",
-           "output_tensors", "call_loss"]
+           "output_tensors", "call_loss", "WithLoss", "with_loss"]
 
 LossFn = Callable[[Any], torch.Tensor]
 """``loss_fn(output) -> scalar tensor``: what a training step backpropagates from."""
@@ -65,15 +67,16 @@ def output_tensors(obj: Any, _seen: set[int] | None = None) -> Iterator[torch.Te
 
 
 def inner_loss(output: Any) -> torch.Tensor | None:
-    """The loss a model computed itself: a scalar floating-point tensor that requires grad
-    under the key (or attribute) ``loss`` of a mapping or dataclass output, else None.
+    """The loss a model computed itself: a scalar floating-point tensor that requires grad,
+    returned as the output itself (:func:`with_loss`) or under the key (or attribute)
+    ``loss`` of a mapping or dataclass output, else None.
 
     Example:
         >>> x = torch.ones(3, requires_grad=True)
         >>> inner_loss({"loss": x.sum(), "logits": x}) is not None, inner_loss(x)
         (True, None)
     """
-    value: Any = None
+    value: Any = output if isinstance(output, torch.Tensor) and output.dim() == 0 else None
     if isinstance(output, Mapping):
         value = output.get("loss")
     elif dataclasses.is_dataclass(output) and not isinstance(output, type):
@@ -257,3 +260,52 @@ def call_loss(loss_fn: LossFn | None, output: Any, subject: str) -> torch.Tensor
             fix="compute the loss from the model output without .detach() or torch.no_grad()",
         )
     return loss
+
+
+# --------------------------------------------------------------------------- the loss inside
+
+
+class WithLoss(nn.Module):
+    """``model`` and a loss in one module: ``forward(input, target)`` returns
+    ``loss_fn(model(input), target)``. Made by :func:`with_loss`.
+
+    The model is the submodule ``model`` (its state dict keys gain the prefix ``model.``;
+    save ``wrapper.model.state_dict()`` to keep the model's own keys)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, input: Any, target: Any) -> torch.Tensor:  # noqa: A002 - torch's name
+        return self.loss_fn(self.model(input), target)
+
+
+def with_loss(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> WithLoss:
+    """``model`` with its loss inside the forward, so that ``autockpt.apply`` plans the loss
+    with the model, and can run a language model's head and cross-entropy in chunks of tokens
+    (NOTE [ The head in chunks of rows ] in :mod:`autockpt.chunking`), without changing the
+    model's class. ``loss_fn(output, target)`` must be traceable as the model is (torch
+    functions and modules, no Python branches on tensor values).
+
+    Example:
+        >>> import torch, autockpt
+        >>> lm = torch.nn.Sequential(torch.nn.Embedding(512, 32), torch.nn.LayerNorm(32),
+        ...                          torch.nn.Linear(32, 512))
+        >>> def loss_fn(logits, target):
+        ...     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+        >>> step = autockpt.with_loss(lm, loss_fn)
+        >>> ids = torch.randint(0, 512, (4, 64))
+        >>> step(ids, ids).backward()
+
+    Raises:
+        InvalidArgumentError: ``model`` is not a module or ``loss_fn`` is not callable.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(f"with_loss needs an nn.Module, got {type(model).__name__}",
+                                   fix="pass the model itself: autockpt.with_loss(model, loss_fn)")
+    if not callable(loss_fn):
+        raise InvalidArgumentError(
+            f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}",
+            fix="pass e.g. lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())")
+    return WithLoss(model, loss_fn)
