@@ -50,7 +50,7 @@ from compare import Row as CompareRow  # noqa: E402
 from compare import time_interleaved  # noqa: E402
 
 MIB = 2**20
-BATCH, SEQ, VOCAB = 4, 128, 2048
+BATCH, SEQ, VOCAB, LAYERS, DIM = 4, 256, 8192, 6, 256
 LOSS_SEED = 1234
 LOSS = "model's own (cross_entropy, labels = input ids)"
 """What every row's step backpropagates from: ``out.loss``, the causal LM's shifted
@@ -64,12 +64,15 @@ class Row(CompareRow):
     capture: str | None = None
     segments: int | None = None
     estimated_peak_mib: float | None = None
+    step_flops_ratio: float | None = None
+    """FLOPs of forward and backward together, as a ratio to no checkpointing: a head in
+    chunks makes its gradients in forward, so backward FLOPs alone would flatter it."""
 
 
 def build_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=12, n_embd=192, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+    config = GPT2Config(n_layer=LAYERS, n_embd=DIM, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
                         bos_token_id=0, eos_token_id=0, use_cache=False)
     return GPT2LMHeadModel(config)
 
@@ -77,7 +80,7 @@ def build_gpt2() -> nn.Module:
 def build_llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(num_hidden_layers=12, hidden_size=192, intermediate_size=512,
+    config = LlamaConfig(num_hidden_layers=LAYERS, hidden_size=DIM, intermediate_size=2 * DIM,
                          num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
                          max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
                          pad_token_id=0, use_cache=False)
@@ -99,15 +102,18 @@ def _loss(output: Any) -> torch.Tensor:
     return output.loss
 
 
-def _backward_flops_and_loss(model: nn.Module, kwargs: dict[str, Any]) -> tuple[int, float]:
-    """FLOPs of one backward, and the loss of that step under a fixed seed (dropout)."""
+def _flops_and_loss(model: nn.Module, kwargs: dict[str, Any]) -> tuple[int, int, float]:
+    """FLOPs of one forward and of its backward, and the loss of that step under a fixed seed
+    (dropout)."""
     model.train()
     torch.manual_seed(LOSS_SEED)
-    loss = model(**kwargs).loss
+    with flop_counter() as counter:
+        loss = model(**kwargs).loss
+    forward = counter.get_total_flops()
     with flop_counter() as counter:
         loss.backward()
     model.zero_grad(set_to_none=True)
-    return counter.get_total_flops(), loss.item()
+    return forward, counter.get_total_flops(), loss.item()
 
 
 def _hf_checkpointed(base: nn.Module, kwargs: dict[str, Any] | None) -> nn.Module:
@@ -154,17 +160,20 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
 
     def record(method: str, model: nn.Module, **extra: Any) -> Row:
         report = autockpt.measure(model, (), example_kwargs=kwargs, loss_fn=_loss)
-        flops, loss = _backward_flops_and_loss(model, kwargs)
+        forward, flops, loss = _flops_and_loss(model, kwargs)
         if not reference:
-            reference.update(flops=float(flops), loss=loss)
+            reference.update(flops=float(flops), step=float(forward + flops), loss=loss)
         row = Row(model=name, method=method,
                   peak_activation_mib=report.peak_activation_bytes / MIB,
                   step_ms=float("nan"), time_ratio=float("nan"),
-                  backward_flops_ratio=flops / reference["flops"], **extra)
+                  backward_flops_ratio=flops / reference["flops"],
+                  step_flops_ratio=(forward + flops) / reference["step"], **extra)
         rows.append(row)
         timed.append((row, model))
         print(f"  {name:6s} {method:44s} peak {row.peak_activation_mib:8.2f} MiB"
-              f"  bwd FLOPs x{row.backward_flops_ratio:.2f}  loss {loss:.6f}", flush=True)
+              f"  bwd FLOPs x{row.backward_flops_ratio:.2f}"
+              f"  step FLOPs x{row.step_flops_ratio:.2f}  loss {loss:.6f}", flush=True)
+        # A head in chunks sums the loss in another order: float tolerance, not bitwise.
         if abs(loss - reference["loss"]) > 1e-5 * max(1.0, abs(reference["loss"])):
             warning = Row(model=name, method=f"WARNING: {method}", peak_activation_mib=None,
                           step_ms=0.0, time_ratio=float("nan"), backward_flops_ratio=None,
@@ -198,6 +207,7 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
     budgets.append(("autockpt, 50% of its baseline estimate",
                     estimate.baseline_peak_bytes / 2 / MIB, None))
     budgets.append(("autockpt, least memory (budget None)", None, None))
+    budgets.append(("autockpt, least memory, chunk_head=False", None, None))
     least: nn.Module | None = None
     for label, budget, matched_to in budgets:
         start = time.perf_counter()
@@ -206,7 +216,7 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
             # holds its own loss: the plan must be for the step measured here, whatever the
             # default becomes.
             ckpt = autockpt.apply(copy.deepcopy(base), budget_mb=budget, example_kwargs=kwargs,
-                                  loss_fn=_loss)
+                                  loss_fn=_loss, chunk_head="chunk_head=False" not in label)
         except autockpt.InfeasibleBudgetError as err:
             rows.append(Row(model=name, method=label, peak_activation_mib=None, step_ms=0.0,
                             time_ratio=float("nan"), backward_flops_ratio=None,
@@ -218,11 +228,14 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
         seconds = time.perf_counter() - start
         plan = autockpt.plan_of(ckpt)
         budget_text = "none" if budget is None else f"{budget:.2f} MiB"
+        chunks = (f", head in {plan.chunked_head.chunks} chunks"
+                  if plan.chunked_head is not None else "")
         record(label, ckpt, plan_seconds=seconds, capture=plan.capture,
                segments=len(plan.segments), estimated_peak_mib=plan.estimated_peak_bytes / MIB,
                matched_to=matched_to,
-               note=f"budget {budget_text}, estimated {plan.estimated_peak_bytes / MIB:.2f} MiB")
-        if budget is None:
+               note=f"budget {budget_text}, estimated {plan.estimated_peak_bytes / MIB:.2f} MiB"
+                    f"{chunks}")
+        if budget is None and least is None:
             least = ckpt
     for row in rows:
         row.loss = LOSS
@@ -247,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 keeps timings stable on a shared machine)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per batch")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="decoder layers")
+    parser.add_argument("--dim", type=int, default=DIM, help="hidden width")
     args = parser.parse_args(argv)
+    global VOCAB, SEQ, BATCH, LAYERS, DIM
+    VOCAB, SEQ, BATCH, LAYERS, DIM = args.vocab, args.seq, args.batch, args.layers, args.dim
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
@@ -267,14 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if value is None else f"{value:.{digits}f}"
 
     table = [[r.model, r.method, number(r.peak_activation_mib), number(r.time_ratio),
-              number(r.backward_flops_ratio),
+              number(r.backward_flops_ratio), number(r.step_flops_ratio),
               "" if r.plan_seconds is None else f"{r.plan_seconds:.1f}", r.capture or "",
               "" if r.segments is None else str(r.segments), r.note] for r in rows]
     print()
     print(f"loss of every row: {LOSS}")
-    print(format_table(["model", "method", "peak MiB", "time x", "bwd FLOPs x", "plan s",
-                        "capture", "segments", "note"], table,
-                       right=[False, False, True, True, True, True, False, True, False]))
+    print(format_table(["model", "method", "peak MiB", "time x", "bwd FLOPs x", "step FLOPs x",
+                        "plan s", "capture", "segments", "note"], table,
+                       right=[False, False, True, True, True, True, True, False, True, False]))
     print()
     for line in lines:
         print(line)
@@ -282,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(
             {"torch": torch.__version__, "transformers": transformers.__version__,
              "device": "cpu", "threads": torch.get_num_threads(), "batch": BATCH, "seq": SEQ,
-             "vocab": VOCAB, "loss": LOSS, "rows": [asdict(r) for r in rows],
+             "vocab": VOCAB, "layers": LAYERS, "dim": DIM, "loss": LOSS, "rows": [asdict(r) for r in rows],
              "notes": lines}, indent=2))
     return 0
 
