@@ -253,6 +253,7 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global VOCAB, SEQ, BATCH, LAYERS, DIM
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, from: {', '.join(MODELS)}")
@@ -266,7 +267,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=LAYERS, help="decoder layers")
     parser.add_argument("--dim", type=int, default=DIM, help="hidden width")
     args = parser.parse_args(argv)
-    global VOCAB, SEQ, BATCH, LAYERS, DIM
     VOCAB, SEQ, BATCH, LAYERS, DIM = args.vocab, args.seq, args.batch, args.layers, args.dim
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]

@@ -102,6 +102,19 @@ def peak(model: nn.Module, *inputs: Any, **kwargs: Any) -> int:
     return autockpt.measure(model, inputs, example_kwargs=kwargs or None).peak_activation_bytes
 
 
+def chunked_step_matches(model: nn.Module, *inputs: Any) -> autockpt.Plan:
+    """Apply at the least memory: the plan chunks the head, and one step gives the loss and
+    gradients of the model itself, to float tolerance. Returns the plan."""
+    ckpt = autockpt.apply(copy.deepcopy(model), example_inputs=inputs)
+    plan = autockpt.plan_of(ckpt)
+    assert plan.chunked_head is not None
+    loss, grads = step(ckpt, *inputs)
+    want_loss, want_grads = step(model, *inputs)
+    torch.testing.assert_close(loss, want_loss, **TOLERANCE)
+    assert_same_tensors(grads, want_grads, what="grad ", **TOLERANCE)
+    return plan
+
+
 # --------------------------------------------------------------------------- our own model
 
 
@@ -165,12 +178,7 @@ def test_cross_entropy_options(options: dict[str, Any]) -> None:
     ids, target = batch()
     target[0, :10] = 7
     target[target == -100] = options.get("ignore_index", -100)
-    ckpt = autockpt.apply(copy.deepcopy(model), example_inputs=(ids, target))
-    assert autockpt.plan_of(ckpt).chunked_head is not None
-    loss, grads = step(ckpt, ids, target)
-    want_loss, want_grads = step(model, ids, target)
-    torch.testing.assert_close(loss, want_loss, **TOLERANCE)
-    assert_same_tensors(grads, want_grads, what="grad ", **TOLERANCE)
+    chunked_step_matches(model, ids, target)
 
 
 def test_probability_targets_and_module_loss() -> None:
@@ -184,13 +192,8 @@ def test_probability_targets_and_module_loss() -> None:
     model = autockpt.with_loss(LM(), loss_fn)
     ids, _ = batch()
     probabilities = torch.softmax(torch.randn(BATCH, SEQ, VOCAB), dim=-1)
-    ckpt = autockpt.apply(copy.deepcopy(model), example_inputs=(ids, probabilities))
-    head = autockpt.plan_of(ckpt).chunked_head
+    head = chunked_step_matches(model, ids, probabilities).chunked_head
     assert head is not None and not head.stretch.class_targets
-    loss, grads = step(ckpt, ids, probabilities)
-    want_loss, want_grads = step(model, ids, probabilities)
-    torch.testing.assert_close(loss, want_loss, **TOLERANCE)
-    assert_same_tensors(grads, want_grads, what="grad ", **TOLERANCE)
 
     class WithModule(nn.Module):
         def __init__(self) -> None:
@@ -201,14 +204,7 @@ def test_probability_targets_and_module_loss() -> None:
         def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return self.criterion(self.lm(ids).flatten(0, 1), target.flatten())
 
-    ids, target = batch()
-    module_loss = WithModule()
-    ckpt = autockpt.apply(copy.deepcopy(module_loss), example_inputs=(ids, target))
-    assert autockpt.plan_of(ckpt).chunked_head is not None
-    loss, grads = step(ckpt, ids, target)
-    want_loss, want_grads = step(module_loss, ids, target)
-    torch.testing.assert_close(loss, want_loss, **TOLERANCE)
-    assert_same_tensors(grads, want_grads, what="grad ", **TOLERANCE)
+    chunked_step_matches(WithModule(), *batch())
 
 
 class ClassFirst(nn.Module):
