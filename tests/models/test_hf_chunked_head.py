@@ -46,7 +46,8 @@ def _builders() -> dict[str, Callable[[], torch.nn.Module]]:
 def test_head_in_chunks_gradients(name: str) -> None:
     torch.manual_seed(0)
     model = _builders()[name]().train()
-    ids = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
+    # 1024 tokens: chunks of at least 128 (autockpt.chunking.MIN_CHUNK_ROWS), 8 of them.
+    ids = torch.randint(0, VOCAB, (4, 256), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
     ckpt = autockpt.apply(copy.deepcopy(model), example_kwargs=batch)
     head = autockpt.plan_of(ckpt).chunked_head
