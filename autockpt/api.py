@@ -110,7 +110,8 @@ def apply(
             the whole logits never exist, forward makes each chunk's gradients (nothing
             is recomputed; backward runs once per forward), and the logits the model
             returns beside the loss are ``None``. ``False`` keeps the head
-            whole and the logits returned. See docs/chunked-head.md.
+            whole and the logits returned. Non-reentrant mode only. See
+            docs/chunked-head.md.
 
     Example:
         >>> import torch, autockpt

@@ -234,7 +234,11 @@ def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any]
     budget_bytes, device = resolve_budget(module, (), arguments, config)
     inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
     plain, plain_error, stats = _plan_traced(module, traced, inputs, config, budget_bytes, device)
-    stretch = find_row_stretch(traced.graph_module) if config.chunk_head else None
+    # Non-reentrant mode only: under reentrant segments (BART, float64) a chunked head sent
+    # the segments' nested backwards into a runaway recursion (autograd made a thread per
+    # level), not yet understood.
+    chunk = config.chunk_head and config.mode == "non_reentrant"
+    stretch = find_row_stretch(traced.graph_module) if chunk else None
     if stretch is None or (plain is not None and not _chunking_may_pay(plain, stats, stretch)):
         if plain is None:
             assert plain_error is not None

@@ -129,6 +129,9 @@ def test_own_lm_least_memory(tied: bool, mode: str) -> None:
                            chunk_head=False)
     plan = autockpt.plan_of(ckpt)
     head = plan.chunked_head
+    if mode == "reentrant":  # not chunked in reentrant mode (see autockpt.pipeline)
+        assert head is None
+        return
     assert head is not None and head.chunks > 1
     assert head.stretch.nodes[-1] == head.stretch.loss
     assert head.stretch.last_module == "model.head"
