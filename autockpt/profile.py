@@ -193,15 +193,22 @@ def _output_kind(node: fx.Node, value: Any) -> str:
     return "container" if tensors(value) else "constant"
 
 
-def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | None = None
-            ) -> Profile:
+ProbeCache = dict[tuple[Any, ...], Any]
+"""Backward probes by what they depend on (:func:`_probe_key`); one cache may serve several
+profiles of graphs that share nodes (the graph with its head whole and in chunks)."""
+
+
+def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | None = None,
+            probes: ProbeCache | None = None) -> Profile:
     """Run the traced graph on fake tensors and measure each node, and the loss of the step.
 
     ``inputs`` maps the forward's parameter names to the example values (real or fake tensors,
     or Python values); only their shapes, dtypes and ``requires_grad`` matter. ``loss_fn`` is
     the user's loss, run on the fake output after the graph; without it the profile takes the
     model's own loss when its output holds one, else assumes an output-sized gradient for each
-    floating output (see NOTE [ The loss node ]).
+    floating output (see NOTE [ The loss node ]). ``probes``, when given, is a cache of
+    backward probes read and filled here: a second profile of a graph that shares most nodes
+    with the first probes only the nodes that differ.
 
     Example:
         >>> import torch
@@ -235,7 +242,8 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
         values_in.append(fakeify(inputs[name]))
     input_keys = {storage_key(t) for v in values_in for t in tensors(v)}
 
-    runner = _ProfileRunner(gm, param_keys, input_keys, buffer_names)
+    runner = _ProfileRunner(gm, param_keys, input_keys, buffer_names,
+                            {} if probes is None else probes)
     runner.real_state = dict(named)
     runner.loss_fn = loss_fn
     runner.unflatten = traced.unflatten
@@ -289,6 +297,7 @@ class _ProfileRunner(fx.Interpreter):
         param_keys: set[int],
         input_keys: set[int],
         buffer_names: dict[int, str],
+        probes: ProbeCache,
     ) -> None:
         # Every value stays in the environment: the loss node and the probes read them.
         super().__init__(gm, garbage_collect_values=False)
@@ -300,7 +309,7 @@ class _ProfileRunner(fx.Interpreter):
         self._param_reads: list[dict[int, int]] = []
         # Probing a backward is the dearest part of the profile, and the layers of a deep
         # model repeat the same ops on the same shapes: one probe per distinct call.
-        self._probes: dict[tuple[Any, ...], tuple[int, tuple[int, ...]] | None] = {}
+        self._probes = probes
         self._storages: list[dict[str, Any]] = []
         self.loss_fn: LossFn | None = None
         self.unflatten: Any = None
@@ -832,6 +841,55 @@ def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[i
 # node's inputs, not new bytes of its backward.
 
 
+# NOTE [ Backwards known without a probe ]
+# A concatenation's backward hands each input a slice of its output's gradient: views, no
+# new storage, nothing saved. Probing it costs what probing any node does, times the number
+# of inputs (a leaf, a slice and an accumulation for each), and a DenseNet concatenates up
+# to 32 tensors at each of its 62 joins: a quarter of its profile went there. So a
+# concatenation of distinct tensors of one dtype is not probed: its backward needs no new
+# bytes and hands no new storage to any input. Not so for a mixed one (the slices are cast
+# back: new storage) nor for a tensor joined twice (its two slices are summed).
+# tests/test_profile.py checks the shortcut against the probe.
+_JOINS = frozenset([
+    torch.cat, torch.concat, torch.concatenate, torch.stack,
+    torch.ops.aten.cat.default, torch.ops.aten.stack.default,
+])
+
+
+def _joins_without_copies(env: dict[fx.Node, Any], node: fx.Node) -> bool:
+    """Whether the node concatenates or stacks tensors of its output's dtype: see NOTE
+    [ Backwards known without a probe ]."""
+    if node.op != "call_function" or node.target not in _JOINS:
+        return False
+    value = env.get(node)
+    if not isinstance(value, torch.Tensor):
+        return False
+    read: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), read.append)
+    if len(read) != len(set(read)):
+        return False  # the slices of a tensor joined twice are summed: new storage
+    dtypes = {t.dtype for i in node.all_input_nodes for t in tensors(env.get(i))}
+    return dtypes == {value.dtype}
+
+
+def _writes_in_place(interpreter: fx.Interpreter, node: fx.Node) -> bool:
+    """Whether the node says it writes to its input (``ReLU(inplace=True)``, ``x.add_()``,
+    ``F.relu(x, inplace=True)``): its probe goes straight to copies (NOTE [ Probing without
+    copies ]) instead of failing on a leaf first."""
+    if node.op == "call_module":
+        return getattr(interpreter.module.get_submodule(str(node.target)), "inplace",
+                       False) is True
+    if node.kwargs.get("inplace") is True:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):  # torch.export's graphs: aten.relu_
+        arguments = node.target._schema.arguments
+        alias = arguments[0].alias_info if arguments else None
+        return alias is not None and alias.is_write
+    name = node.target if isinstance(node.target, str) else getattr(
+        node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
 _NORM_MODULES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 _NORM_FUNCTIONS = frozenset([
     F.batch_norm, F.layer_norm, F.group_norm, torch.batch_norm, torch.layer_norm,
@@ -886,6 +944,12 @@ def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.
                 params.append(t)
         if not params:
             return None
+    if not with_params and run is None and _joins_without_copies(env, node):
+        # See NOTE [ Backwards known without a probe ].
+        value = env.get(node)
+        if not any(t.requires_grad for t in tensors(value)):
+            return None
+        return 0, (0,) * len(inputs), 0
     originals = {i: env[i] for i in inputs if i in env}
     leaves: list[tuple[int, torch.Tensor]] = []
     edges: list[Any] = []
@@ -908,7 +972,7 @@ def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.
 
     mark = len(saved_now)
     # See NOTE [ Probing without copies ].
-    for copy in (False, True):
+    for copy in ((True,) if _writes_in_place(interpreter, node) else (False, True)):
         leaves.clear()
         edges.clear()
         substituted = {i: tree_map(functools.partial(fresh, copy, k), originals[i])

@@ -1,0 +1,70 @@
+"""The profiler's shortcuts give what its probes measure.
+
+NOTE [ Backwards known without a probe ] and the in-place rule of NOTE [ Probing without
+copies ] in autockpt/profile.py skip work; here each shortcut is turned off and the profile
+of the same graph must come out the same, node for node.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autockpt import profile as profile_module
+from autockpt.capture import capture
+from autockpt.profile import profile
+from autockpt.stats import Profile
+
+
+class Joins(nn.Module):
+    """Concatenations and a stack of activations, one fed twice, one fed by the input, a
+    mixed-dtype one (cast back in backward: must be probed), and in-place ReLUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(48, 16)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1 = self.act(self.a(x))
+        h2 = torch.tanh(self.b(h1))
+        joined = torch.cat([h1, h2, x], dim=1)
+        twice = torch.cat((h2, h2), dim=-1)
+        stacked = torch.stack([h1, h2], dim=0).sum(0)
+        mixed = torch.cat([h1.double(), h2], dim=1).float()
+        out = self.c(joined) + twice[:, :16] + stacked + mixed[:, :16]
+        return torch.relu_(out)
+
+
+def _profile(model: nn.Module, x: torch.Tensor) -> Profile:
+    traced = capture(model, (x,), {}, method="fx")
+    return profile(traced, {name: x for name in traced.spec.param_names})
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_shortcuts_match_the_probes(monkeypatch: pytest.MonkeyPatch, input_grad: bool) -> None:
+    torch.manual_seed(0)
+    model = Joins().train()
+    x = torch.randn(8, 16, requires_grad=input_grad)
+    shortcut = profile_module._joins_without_copies
+    taken: list[tuple[str, bool]] = []
+
+    def counted(env, node):  # type: ignore[no-untyped-def]
+        taken.append((node.name, shortcut(env, node)))
+        return taken[-1][1]
+
+    monkeypatch.setattr(profile_module, "_joins_without_copies", counted)
+    fast = _profile(model, x)
+    # The shortcut is taken for the plain joins, not for the one fed twice nor the mixed one.
+    assert [name for name, took in taken if took] == ["cat", "stack"]
+    targets = [n.target for n in fast.nodes]
+    assert targets.count("cat") == 3 and "stack" in targets and "relu_" in targets
+
+    monkeypatch.setattr(profile_module, "_joins_without_copies", lambda env, node: False)
+    monkeypatch.setattr(profile_module, "_writes_in_place", lambda interpreter, node: False)
+    probed = _profile(model, x)
+    assert fast.nodes == probed.nodes
+    assert fast.storages == probed.storages
