@@ -57,7 +57,8 @@ from itertools import accumulate
 from autockpt.chain import Chain
 
 __all__ = ["Ranges", "Tree", "as_tree", "flatten_tree", "tree_depth", "MemoryModel",
-           "estimate_peak", "estimate_tree_peak", "segment_cost", "recompute_cost", "tree_cost"]
+           "estimate_peak", "estimate_tree_peak", "model_of", "segment_cost", "recompute_cost",
+           "tree_cost"]
 
 Ranges = tuple[tuple[int, int], ...]
 """Checkpointed segments as inclusive ``(first_stage, last_stage)`` pairs, sorted, disjoint."""
@@ -397,14 +398,31 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
         >>> estimate_peak(chain, ())   # 64 held + 8 output + 8 gradient + 16 working set
         96
     """
-    return MemoryModel(chain, mode).peak(as_tree(ranges))
+    return model_of(chain, mode).peak(as_tree(ranges))
 
 
 def estimate_tree_peak(chain: Chain, tree: Tree) -> int:
     """Estimated peak activation bytes of one forward and backward with the nested plan
     ``tree`` (non-reentrant mode); equal to :func:`estimate_peak` for a single-level plan.
     See NOTE [ The nested memory model ]."""
-    return MemoryModel(chain, "non_reentrant").peak(tree)
+    return model_of(chain, "non_reentrant").peak(tree)
+
+
+_RECENT_MODELS: dict[tuple[int, str], tuple[Chain, MemoryModel]] = {}
+
+
+def model_of(chain: Chain, mode: str) -> MemoryModel:
+    """The memory model of ``chain``, built once for the few chains priced last: building it
+    is quadratic in the stages, and a planner prices dozens of plans on one chain."""
+    key = (id(chain), mode)
+    found = _RECENT_MODELS.get(key)
+    if found is not None and found[0] is chain:
+        return found[1]
+    if len(_RECENT_MODELS) >= 4:
+        del _RECENT_MODELS[next(iter(_RECENT_MODELS))]
+    model = MemoryModel(chain, mode)
+    _RECENT_MODELS[key] = (chain, model)
+    return model
 
 
 def segment_cost(chain: Chain, a: int, b: int, mode: str = "non_reentrant") -> int:

@@ -57,6 +57,23 @@ def _sizes(chain: Chain) -> tuple[list[int], list[int], list[int], list[int]]:
     return keep_input, kept, forward_ck, need
 
 
+def _splits(s: int, t: int, grad: list[bool], fs: list[int], xs: list[int], width: int
+            ) -> int:
+    """How many checkpoints ``s..split-1`` (``split`` from ``s + 1``) the programme may try
+    for stages ``s..t``: none covers a stage that carries no gradient, and none needs more
+    slots in forward (or to keep the next input) than there are."""
+    forward_need = 0
+    count = 0
+    for split in range(s + 1, t + 1):
+        if not grad[split - 1]:
+            break
+        forward_need = max(forward_need, fs[split - 1])
+        if max(forward_need, xs[split]) >= width:
+            break
+        count += 1
+    return count
+
+
 def nested_plans(chain: Chain, span: int) -> list[tuple[int, int, Tree]]:
     """Nested plans found by the rotor programme for memory up to ``span`` bytes (see NOTE
     [ The rotor programme ]), each as ``(estimated peak, recompute cost, tree)``, from the
@@ -87,34 +104,32 @@ def nested_plans(chain: Chain, span: int) -> list[tuple[int, int, Tree]]:
         if lo < width:
             table[s, s, lo:] = cost[s]
             choice[s, s, lo:] = -1
+    columns = np.arange(width)
     for length in range(1, count):
         for s in range(count - length):
             t = s + length
-            best = np.full(width, inf)
-            pick = np.full(width, -2, dtype=np.int32)
+            # Row 0 runs stage s saving; row k >= 1 checkpoints s..s+k-1 and keeps the input
+            # of s+k. The first least row wins a tie, as a loop over them in this order would.
+            options = np.full((length + 1, width), inf)
             lo = max(ns[s], ks[s])
             if lo < width:
-                option = np.full(width, inf)
-                option[lo:] = cost[s] + table[s + 1, t, lo - ks[s]:width - ks[s]]
-                better = option < best
-                best[better], pick[better] = option[better], -1
-            forward_need = 0
-            run_cost = 0
-            for split in range(s + 1, t + 1):
-                if not grad[split - 1]:
-                    break  # a checkpoint cannot cover a stage that carries no gradient
-                forward_need = max(forward_need, fs[split - 1])
-                run_cost += cost[split - 1]
-                lo = max(forward_need, xs[split])
-                if lo >= width:
-                    break
-                option = np.full(width, inf)
-                option[lo:] = (run_cost + table[split, t, lo - xs[split]:width - xs[split]]
-                               + table[s, split - 1, lo:])
-                better = option < best
-                best[better], pick[better] = option[better], split
+                options[0, lo:] = cost[s] + table[s + 1, t, lo - ks[s]:width - ks[s]]
+            splits = _splits(s, t, grad, fs, xs, width)
+            if splits:
+                rows = np.arange(s + 1, s + 1 + splits)
+                forward_need = np.maximum.accumulate(np.asarray(fs[s:s + splits]))
+                run_cost = np.cumsum(np.asarray(cost[s:s + splits], dtype=float))
+                shift = np.asarray(xs[s + 1:s + 1 + splits])
+                lows = np.maximum(forward_need, shift)
+                source = columns[None, :] - shift[:, None]
+                kept_part = table[rows[:, None], t, np.maximum(source, 0)]
+                options[1:1 + splits] = np.where(
+                    columns[None, :] >= lows[:, None],
+                    (run_cost[:, None] + kept_part) + table[s, rows - 1, :], inf)
+            pick = np.argmin(options, axis=0)
+            best = options[pick, columns]
             table[s, t] = best
-            choice[s, t] = pick
+            choice[s, t] = np.where(np.isfinite(best), np.where(pick == 0, -1, s + pick), -2)
 
     def rebuild(s: int, t: int, m: int) -> Tree:
         nodes: list[tuple[int, int, Tree]] = []

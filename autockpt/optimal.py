@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from autockpt.chain import Chain
-from autockpt.memory_model import MemoryModel, Ranges, as_tree, recompute_cost
+from autockpt.memory_model import MemoryModel, Ranges, as_tree, model_of, recompute_cost
 
 __all__ = ["optimal_ranges", "least_peak"]
 
@@ -69,7 +69,7 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
     (held bytes, cost). The least peak itself (:func:`least_peak`) needs no frontier: every peak
     term is ``held + constant``, so a backward pass over the blocks finds it.
     """
-    model = MemoryModel(chain, mode)
+    model = model_of(chain, mode)
     rest = _least_suffix_peaks(model)
     if budget is None:
         budget = int(rest[(0, False)])  # the least peak, then the cheapest plan reaching it
@@ -106,7 +106,7 @@ def _least_suffix_peaks(model: MemoryModel) -> dict[_State, float]:
 def least_peak(chain: Chain, mode: str = "non_reentrant") -> int:
     """The least estimated peak any choice of single-level ranges reaches (see
     :func:`optimal_ranges` for an example)."""
-    return int(_least_suffix_peaks(MemoryModel(chain, mode))[(0, False)])
+    return int(_least_suffix_peaks(model_of(chain, mode))[(0, False)])
 
 
 @contextmanager
