@@ -3,9 +3,16 @@
 For each model and method: peak activation memory (measured with ``autockpt.measure``), the
 step time as a ratio to no checkpointing (median of ``--repeat`` steps after a warm-up,
 timed round-robin across the methods so that the machine's load falls on all alike), the
-backward FLOPs as a ratio to no checkpointing (``FlopCounterMode``, with the CPU attention kernel counted: what is recomputed), and
-the time autockpt took to plan. autockpt is asked, for each alternative, for the memory that
-alternative measured, so each pair can be compared at equal or lower memory.
+backward FLOPs as a ratio to no checkpointing (``FlopCounterMode``: what is recomputed; on
+the CPU autockpt adds the attention kernel torch's table leaves at zero, on CUDA torch counts
+its own attention kernels), and the time autockpt took to plan. With ``--device cuda`` the
+models, inputs and targets live on the GPU, timed steps are bracketed by
+``torch.cuda.synchronize()``, and a ``CUDA max MiB`` column adds what the caching allocator
+saw: the rise of ``torch.cuda.max_memory_allocated`` over one step
+(``MemoryReport.cuda_max_memory_allocated_bytes``; for torch.compile rows, the same rise
+measured here, since the dispatch tracker cannot see inside compiled code). autockpt is
+asked, for each alternative, for the memory that alternative measured, so each pair can be
+compared at equal or lower memory.
 
 Every step is a real training step: each model has one loss (cross-entropy against fixed
 targets for the classifier heads and the GPT's tokens; see ``models.MODELS``), and every
@@ -21,6 +28,9 @@ column and the JSON's ``loss`` field say which loss each row used.
                                                        # enable_gradient_checkpointing()
     python benchmarks/compare.py --models mlp72 --repeat 3 --json out.json --plot-dir out/
     python benchmarks/compare.py --compile             # adds torch.compile with a memory budget
+    python benchmarks/compare.py --device cuda --models gpt,resnet50 --json cuda.json
+
+A model whose optional package (torchvision, diffusers) does not import is skipped with a note.
 
 Timings on a shared machine are noisy: compare ratios taken in the same run.
 """
@@ -30,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import platform
 import statistics
 import sys
 import time
@@ -52,6 +63,10 @@ from models import MODELS, BenchLoss, Blocks, make_loss, sqrt_segments  # noqa: 
 
 MIB = 2**20
 
+OPTIONAL_PACKAGES = {"resnet50": "torchvision", "unet2d": "diffusers"}
+"""The package each optional model is built from: a model whose package does not import is
+left out of the defaults and skipped with a note when named."""
+
 
 @dataclass
 class Row:
@@ -68,10 +83,85 @@ class Row:
     note: str = ""
     saved_mib: float | None = None
     """torch.compile rows only: bytes saved for backward at the end of forward (packed by
-    ``saved_tensors_hooks``), a lower bound of the peak the CPU tracker cannot see."""
+    ``saved_tensors_hooks``), a lower bound of the peak the dispatch tracker cannot see."""
     loss: str = ""
     """The loss this row's step backpropagated from (``cross_entropy``, ``mse``); empty only
     where a subclass fills it in later."""
+    cuda_max_allocated_mib: float | None = None
+    """On CUDA: the rise of ``torch.cuda.max_memory_allocated`` over one step above what was
+    allocated before it (``MemoryReport.cuda_max_memory_allocated_bytes``): what the caching
+    allocator saw, kernel workspaces and parameter gradients included. None on the CPU."""
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels: a CUDA step returns before its kernels ran, so
+    a timer read without this measures the launch, not the step. A no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cuda_step_peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor],
+                   device: torch.device) -> int | None:
+    """The rise of ``torch.cuda.max_memory_allocated`` over one step of ``model`` (gradients
+    cleared first, as ``autockpt.measure`` does), or None off CUDA.
+
+    For torch.compile rows: ``autockpt.measure`` would run the compiled code under its
+    dispatch mode, but the allocator sees what compiled kernels allocate as it sees any other.
+    """
+    if device.type != "cuda":
+        return None
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step(model).backward()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What the JSON header records of the machine: the device, its name, torch's version
+    and, on CUDA, the CUDA version torch was built with."""
+    info: dict[str, Any] = {"torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+    return info
+
+
+def parse_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """``--device`` as a torch.device: ``cpu`` or ``cuda`` (``cuda:N`` too), refused with a
+    clear message where CUDA is asked for and not available."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        parser.error(f"--device {name!r}: {err}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch.cuda.is_available() is False")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def missing_package(name: str) -> str | None:
+    """The optional package model ``name`` needs when it does not import, else None."""
+    package = OPTIONAL_PACKAGES.get(name)
+    if package is None:
+        return None
+    try:
+        __import__(package)
+    except Exception:  # missing, or built for another torch
+        return package
+    return None
 
 
 def _backward_flops(model: nn.Module, x: torch.Tensor, loss_fn: LossFn) -> int:
@@ -169,12 +259,15 @@ def _compiled(base: Blocks, budget: float) -> nn.Module:
 
 
 def run_model(name: str, repeat: int, compile_budgets: bool,
-              losses: dict[str, str] | None = None) -> list[Row]:
-    """Every method on model ``name``, all with the model's one loss; ``losses`` (when
-    given) gets ``name``'s loss described in words."""
+              losses: dict[str, str] | None = None,
+              device: torch.device | str = "cpu") -> list[Row]:
+    """Every method on model ``name``, all with the model's one loss, on ``device``;
+    ``losses`` (when given) gets ``name``'s loss described in words."""
+    device = torch.device(device)
     spec = MODELS[name]
-    base = spec.build()
-    x = spec.batch()
+    # Built on the CPU (the same seeded weights and batch on every device), then moved.
+    base = spec.build().to(device)
+    x = spec.batch().to(device)
     # Built once, before anything is measured or timed: its targets are fixed tensors, so
     # each step only computes the loss, and every method sees the very same targets.
     loss: BenchLoss = make_loss(spec, base, x)
@@ -200,10 +293,14 @@ def run_model(name: str, repeat: int, compile_budgets: bool,
             backward_flops_ratio=None if flops is None else flops / reference["flops"],
             plan_seconds=plan_seconds, matched_to=matched_to, note=note, loss=loss.name,
         )
+        if report is not None and report.cuda_max_memory_allocated_bytes is not None:
+            row.cuda_max_allocated_mib = report.cuda_max_memory_allocated_bytes / MIB
         rows.append(row)
         timed.append((row, model))
-        print(f"  {name:9s} {method:40s} peak {row.peak_activation_mib or float('nan'):8.2f} MiB",
-              flush=True)
+        cuda = ("" if row.cuda_max_allocated_mib is None
+                else f"  CUDA max {row.cuda_max_allocated_mib:8.2f} MiB")
+        print(f"  {name:9s} {method:40s} peak {row.peak_activation_mib or float('nan'):8.2f} MiB"
+              f"{cuda}", flush=True)
         return row
 
     alternatives = (spec.alternatives(base) if spec.alternatives is not None
@@ -215,8 +312,11 @@ def run_model(name: str, repeat: int, compile_budgets: bool,
             saved = _saved_for_backward(model, x, loss) / MIB
             row = record(method, model, memory=False,
                          note=f"saves {saved:.2f} MiB for backward (a lower bound of its "
-                              "peak: the CPU tracker cannot see inside compiled code)")
+                              "peak: the dispatch tracker cannot see inside compiled code)")
             row.saved_mib = saved
+            allocated = cuda_step_peak(model, lambda m: loss_fn(m(x)), device)
+            if allocated is not None:
+                row.cuda_max_allocated_mib = allocated / MIB
         else:
             row = record(method, model, note=note)
         measured.append(row)
@@ -257,7 +357,7 @@ def run_model(name: str, repeat: int, compile_budgets: bool,
     record("autockpt (least memory)", ckpt, plan_seconds=seconds,
            note=_segments_note(autockpt.plan_of(ckpt)))
     seconds_per_step = time_interleaved([model for _, model in timed],
-                                        lambda model: loss_fn(model(x)), repeat)
+                                        lambda model: loss_fn(model(x)), repeat, device=device)
     for (row, _), step in zip(timed, seconds_per_step):
         row.step_ms = step * 1000
         row.time_ratio = step / seconds_per_step[0]
@@ -265,17 +365,22 @@ def run_model(name: str, repeat: int, compile_budgets: bool,
 
 
 def time_interleaved(models: list[nn.Module], loss: Callable[[nn.Module], torch.Tensor],
-                     repeat: int) -> list[float]:
+                     repeat: int, *, device: torch.device | str = "cpu") -> list[float]:
     """Median seconds of one training step (``loss(model)``, then backward) per model, timed
     round-robin: one warm-up round, then ``repeat`` rounds each running every model once,
-    so that a change in the load of a shared machine falls on all methods alike."""
+    so that a change in the load of a shared machine falls on all methods alike. On CUDA
+    each step starts and ends with :func:`synchronize`, so that it is timed whole and alone
+    (not the previous model's kernels still queued)."""
+    device = torch.device(device)
     samples: list[list[float]] = [[] for _ in models]
     for round_index in range(repeat + 1):
         for model, out in zip(models, samples):
             model.train()
             model.zero_grad(set_to_none=True)
+            synchronize(device)
             start = time.perf_counter()
             loss(model).backward()
+            synchronize(device)
             elapsed = time.perf_counter() - start
             model.zero_grad(set_to_none=True)
             if round_index:
@@ -360,41 +465,48 @@ def plot(rows: list[Row], directory: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = [m for m in MODELS if m not in ("resnet50", "unet2d")]
-    try:
-        import torchvision  # noqa: F401
-
-        default.append("resnet50")
-    except Exception:  # torchvision missing or built for another torch
-        pass
-    try:
-        import diffusers  # noqa: F401
-
-        default.append("unet2d")
-    except Exception:  # diffusers missing (pip install -e ".[models]")
-        pass
+    # An optional model whose package is missing (torchvision, or diffusers: pip install -e
+    # ".[models]") or built for another torch is left out of the defaults.
+    default = [m for m in MODELS if missing_package(m) is None]
     parser.add_argument("--models", default=",".join(default),
                         help=f"comma-separated, from: {', '.join(MODELS)}")
     parser.add_argument("--repeat", type=int, default=5, help="timed steps per method")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda: where models, inputs and targets live")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1 keeps timings stable on a shared machine)")
+                        help="torch CPU threads (1 keeps timings stable on a shared machine; "
+                             "on CUDA they only run the planner's Python)")
     parser.add_argument("--compile", action="store_true",
                         help="add torch.compile with activation_memory_budget 0.5 and 0.1")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--plot-dir", type=Path, help="write a Pareto PNG per model here")
     args = parser.parse_args(argv)
+    device = parse_device(parser, args.device)
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    skipped: dict[str, str] = {}
+    for name in names:
+        package = missing_package(name)
+        if package is not None:
+            skipped[name] = f"{package} does not import"
+            print(f"{name}: skipped ({package} does not import)", flush=True)
+    info = device_info(device)
+    print(f"device {info['device']} ({info['device_name']}), torch {info['torch']}", flush=True)
     rows: list[Row] = []
     losses: dict[str, str] = {}
     for name in names:
+        if name in skipped:
+            continue
         print(f"{name}:", flush=True)
-        rows += run_model(name, args.repeat, args.compile, losses)
+        rows += run_model(name, args.repeat, args.compile, losses, device=device)
+    on_cuda = device.type == "cuda"
     table = [[r.model, r.loss, r.method,
               "-" if r.peak_activation_mib is None else f"{r.peak_activation_mib:.2f}",
+              *(["-" if r.cuda_max_allocated_mib is None else f"{r.cuda_max_allocated_mib:.2f}"]
+                if on_cuda else []),
               f"{r.time_ratio:.2f}",
               "-" if r.backward_flops_ratio is None else f"{r.backward_flops_ratio:.2f}",
               "" if r.plan_seconds is None else f"{r.plan_seconds:.2f}",
@@ -402,16 +514,20 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, description in losses.items():
         print(f"loss of every {name} row: {description}")
-    print(format_table(["model", "loss", "method", "peak MiB", "time x", "bwd FLOPs x", "plan s",
-                        "note"],
-                       table, right=[False, False, False, True, True, True, True, False]))
+    print(format_table(["model", "loss", "method", "peak MiB",
+                        *(["CUDA max MiB"] if on_cuda else []), "time x", "bwd FLOPs x",
+                        "plan s", "note"],
+                       table, right=[False, False, False, True, *([True] if on_cuda else []),
+                                     True, True, True, False]))
     print()
     for line in verdicts(rows):
         print(line)
+    for name, why in skipped.items():
+        print(f"{name}: skipped ({why})")
     if args.json:
         args.json.write_text(json.dumps(
-            {"torch": torch.__version__, "device": "cpu", "threads": torch.get_num_threads(),
-             "losses": losses, "rows": [asdict(r) for r in rows]}, indent=2))
+            {**info, "threads": torch.get_num_threads(), "losses": losses,
+             "skipped": skipped, "rows": [asdict(r) for r in rows]}, indent=2))
     if args.plot_dir:
         for path in plot(rows, args.plot_dir):
             print(f"wrote {path}")

@@ -18,6 +18,13 @@ seed; a mismatch is printed as a warning row.
 
     python benchmarks/huggingface.py                        # gpt2 and llama
     python benchmarks/huggingface.py --models llama --repeat 3 --json out.json
+    python benchmarks/huggingface.py --device cuda --json cuda.json
+
+With ``--device cuda`` the models and the batch live on the GPU, timed steps are bracketed by
+``torch.cuda.synchronize()`` (compare.py's ``time_interleaved``), and a ``CUDA max MiB``
+column adds the rise of ``torch.cuda.max_memory_allocated`` over one step
+(``MemoryReport.cuda_max_memory_allocated_bytes``: the step starts with every ``.grad`` None,
+so the parameters' gradients are in it, besides kernel workspaces and allocator rounding).
 
 Needs ``transformers``. Timings on a shared machine are noisy: compare ratios from one run.
 """
@@ -47,7 +54,7 @@ from autockpt.report import format_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import Row as CompareRow  # noqa: E402
-from compare import time_interleaved  # noqa: E402
+from compare import device_info, parse_device, time_interleaved  # noqa: E402
 
 MIB = 2**20
 BATCH, SEQ, VOCAB, LAYERS, DIM = 4, 256, 8192, 6, 256
@@ -90,10 +97,11 @@ def build_llama() -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {"gpt2": build_gpt2, "llama": build_llama}
 
 
-def batch() -> dict[str, torch.Tensor]:
-    """Keyword inputs of one training step: ids, a full mask, and the ids as labels."""
+def batch(device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Keyword inputs of one training step: ids, a full mask, and the ids as labels; drawn on
+    the CPU (the same batch on every device), then moved to ``device``."""
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator).to(device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
@@ -141,17 +149,22 @@ def check_save_pretrained(base: nn.Module, ckpt: nn.Module) -> str:
         loaded = type(base).from_pretrained(b)
         own = ckpt.state_dict()
         back = loaded.state_dict()
-        if sorted(own) != sorted(back) or any(not torch.equal(own[k], back[k]) for k in own):
+        # from_pretrained loads onto the CPU: compare there, whatever device the model is on.
+        if sorted(own) != sorted(back) or any(not torch.equal(own[k].cpu(), back[k].cpu())
+                                              for k in own):
             return "from_pretrained: the loaded state_dict differs"
         return (f"save_pretrained/from_pretrained: {len(sb)} tensors, same keys and values as "
                 f"the original's ({type(loaded).__name__})")
 
 
-def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
+def run_model(name: str, repeat: int, device: torch.device | str = "cpu"
+              ) -> tuple[list[Row], list[str]]:
+    device = torch.device(device)
     torch.manual_seed(0)
-    base = MODELS[name]()
+    # Built on the CPU from the seed (the same weights on every device), then moved.
+    base = MODELS[name]().to(device)
     base.train()
-    kwargs = batch()
+    kwargs = batch(device)
     rows: list[Row] = []
     lines: list[str] = []
     reference: dict[str, float] = {}
@@ -163,14 +176,18 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
         forward, flops, loss = _flops_and_loss(model, kwargs)
         if not reference:
             reference.update(flops=float(flops), step=float(forward + flops), loss=loss)
+        cuda = report.cuda_max_memory_allocated_bytes
         row = Row(model=name, method=method,
                   peak_activation_mib=report.peak_activation_bytes / MIB,
                   step_ms=float("nan"), time_ratio=float("nan"),
                   backward_flops_ratio=flops / reference["flops"],
-                  step_flops_ratio=(forward + flops) / reference["step"], **extra)
+                  step_flops_ratio=(forward + flops) / reference["step"],
+                  cuda_max_allocated_mib=None if cuda is None else cuda / MIB, **extra)
         rows.append(row)
         timed.append((row, model))
-        print(f"  {name:6s} {method:44s} peak {row.peak_activation_mib:8.2f} MiB"
+        cuda_text = ("" if row.cuda_max_allocated_mib is None
+                     else f"  CUDA max {row.cuda_max_allocated_mib:8.2f} MiB")
+        print(f"  {name:6s} {method:44s} peak {row.peak_activation_mib:8.2f} MiB{cuda_text}"
               f"  bwd FLOPs x{row.backward_flops_ratio:.2f}"
               f"  step FLOPs x{row.step_flops_ratio:.2f}  loss {loss:.6f}", flush=True)
         # A head in chunks sums the loss in another order: float tolerance, not bitwise.
@@ -240,7 +257,7 @@ def run_model(name: str, repeat: int) -> tuple[list[Row], list[str]]:
     for row in rows:
         row.loss = LOSS
     seconds = time_interleaved([model for _, model in timed],
-                               lambda model: model(**kwargs).loss, repeat)
+                               lambda model: model(**kwargs).loss, repeat, device=device)
     for (row, _), value in zip(timed, seconds):
         row.step_ms = value * 1000
         row.time_ratio = value / seconds[0]
@@ -258,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, from: {', '.join(MODELS)}")
     parser.add_argument("--repeat", type=int, default=5, help="timed steps per method")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda: where the models and the batch live")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1 keeps timings stable on a shared machine)")
+                        help="torch CPU threads (1 keeps timings stable on a shared machine; "
+                             "on CUDA they only run the planner's Python)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
@@ -268,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=DIM, help="hidden width")
     args = parser.parse_args(argv)
     VOCAB, SEQ, BATCH, LAYERS, DIM = args.vocab, args.seq, args.batch, args.layers, args.dim
+    device = parse_device(parser, args.device)
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
@@ -275,35 +296,42 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     import transformers
 
+    info = device_info(device)
+    print(f"device {info['device']} ({info['device_name']}), torch {info['torch']}, "
+          f"transformers {transformers.__version__}", flush=True)
     rows: list[Row] = []
     lines: list[str] = []
     for name in names:
         print(f"{name}:", flush=True)
-        more_rows, more_lines = run_model(name, args.repeat)
+        more_rows, more_lines = run_model(name, args.repeat, device)
         rows += more_rows
         lines += more_lines
 
     def number(value: float | None, digits: int = 2) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    table = [[r.model, r.method, number(r.peak_activation_mib), number(r.time_ratio),
+    on_cuda = device.type == "cuda"
+    table = [[r.model, r.method, number(r.peak_activation_mib),
+              *([number(r.cuda_max_allocated_mib)] if on_cuda else []), number(r.time_ratio),
               number(r.backward_flops_ratio), number(r.step_flops_ratio),
               "" if r.plan_seconds is None else f"{r.plan_seconds:.1f}", r.capture or "",
               "" if r.segments is None else str(r.segments), r.note] for r in rows]
     print()
     print(f"loss of every row: {LOSS}")
-    print(format_table(["model", "method", "peak MiB", "time x", "bwd FLOPs x", "step FLOPs x",
-                        "plan s", "capture", "segments", "note"], table,
-                       right=[False, False, True, True, True, True, True, False, True, False]))
+    print(format_table(["model", "method", "peak MiB", *(["CUDA max MiB"] if on_cuda else []),
+                        "time x", "bwd FLOPs x", "step FLOPs x", "plan s", "capture",
+                        "segments", "note"], table,
+                       right=[False, False, True, *([True] if on_cuda else []), True, True,
+                              True, True, False, True, False]))
     print()
     for line in lines:
         print(line)
     if args.json:
         args.json.write_text(json.dumps(
-            {"torch": torch.__version__, "transformers": transformers.__version__,
-             "device": "cpu", "threads": torch.get_num_threads(), "batch": BATCH, "seq": SEQ,
-             "vocab": VOCAB, "layers": LAYERS, "dim": DIM, "loss": LOSS, "rows": [asdict(r) for r in rows],
-             "notes": lines}, indent=2))
+            {**info, "transformers": transformers.__version__,
+             "threads": torch.get_num_threads(), "batch": BATCH, "seq": SEQ,
+             "vocab": VOCAB, "layers": LAYERS, "dim": DIM, "loss": LOSS,
+             "rows": [asdict(r) for r in rows], "notes": lines}, indent=2))
     return 0
 
 
