@@ -387,7 +387,17 @@ class _ProfileRunner(fx.Interpreter):
         saved_now.clear()
         input_nodes = node.all_input_nodes if node.op != "output" else []
         ordered_inputs = sorted(input_nodes, key=position.__getitem__)
-        if node.op == "output":
+        probe_key = _probe_key(self, node, storage_index)
+        cached = probe_key is not None and probe_key in self._probes
+        # See NOTE [ One forward for the node and its probe ].
+        ready = None if cached else self._evaluate_on_leaves(node, ordered_inputs)
+        if ready is None:  # forget whatever a failed try on leaves ran
+            flops_before = counter.get_total_flops()
+            watcher.reset()
+            saved_now.clear()
+        if ready is not None:
+            value = ready[0]
+        elif node.op == "output":
             value = None
         elif node.op == "call_module":
             value = self._run_module(node, saved_now)
@@ -431,32 +441,6 @@ class _ProfileRunner(fx.Interpreter):
         # stops here (a saved copy made by an earlier op, as a 4-D matmul makes of a
         # transposed operand before its bmm, lets the bmm be skipped).
         saves_fresh = watcher.saves_fresh()
-        probe_key = _probe_key(self, node, storage_index)
-        if probe_key is not None and probe_key in self._probes:
-            backward, accumulate = self._probes[probe_key]
-        else:
-            with _modules_untracked(counter):
-                probed = _probe_backward(self, node, ordered_inputs, storage_index, watcher,
-                                         saved_now)
-                with_params = None if _fused_norm(self, node) else _probe_backward(
-                    self, node, ordered_inputs, storage_index, watcher, saved_now,
-                    with_params=True)
-            backward = accumulate = None
-            if probed is not None:
-                backward, accumulate = (probed[0], probed[1]), probed[0]
-                if with_params is not None and getattr(node.target, "makes_every_gradient",
-                                                       False):
-                    # Its backward makes its parameters' gradients even when only the
-                    # activations' are asked for: they are in ``probed`` as temporaries,
-                    # but they become ``.grad`` (or wait for a tied reader) as any other's.
-                    backward = (with_params[0], probed[1])
-                    accumulate = with_params[2]
-                elif with_params is not None:
-                    # See NOTE [ Temporaries of parameter gradients ].
-                    backward = (max(probed[0], with_params[0]), probed[1])
-                    accumulate = max(probed[0], with_params[2])
-            if probe_key is not None:
-                self._probes[probe_key] = (backward, accumulate)
         out_storages: list[int] = []
         output_bytes = 0
         if node.op not in ("output", "get_attr"):
@@ -474,6 +458,13 @@ class _ProfileRunner(fx.Interpreter):
             slot = own(storage_key(t), t, index)
             if slot is not None:
                 storages[slot]["saved_by"].add(index)
+        if cached:
+            backward, accumulate = self._probes[probe_key]
+        else:
+            with _modules_untracked(counter):
+                backward, accumulate = self._probe(node, ordered_inputs, ready)
+            if probe_key is not None:
+                self._probes[probe_key] = (backward, accumulate)
         for i in input_nodes:
             for slot in value_storages.get(i, ()):
                 storages[slot]["users"].add(index)
@@ -527,6 +518,72 @@ class _ProfileRunner(fx.Interpreter):
                                             value.dtype, value.requires_grad)
         self._stats.append(stat)
         return value
+
+    def _evaluate_on_leaves(self, node: fx.Node, inputs: list[fx.Node]
+                            ) -> tuple[Any, _Leaves, list[Any]] | None:
+        """The node's value computed on fake leaves standing for the activations it reads,
+        with the leaves and their gradient edges; None where the node needs its usual
+        evaluation (NOTE [ One forward for the node and its probe ])."""
+        if node.op not in ("call_function", "call_method", "call_module"):
+            return None
+        target = node.target
+        if (getattr(target, "record_parameter_gradients", None) is not None
+                or getattr(target, "makes_every_gradient", False)
+                or _writes_in_place(self, node)
+                or (node.op == "call_function" and target in _JOINS)):
+            return None
+        env = self.env
+        substituted, leaves, edges = _leaf_inputs(env, inputs, self._storage_index, copy=False)
+        if not leaves:
+            return None
+        originals = {i: env[i] for i in substituted}
+        env.update(substituted)
+        try:
+            with _modules_untracked(self._counter):
+                value = self.evaluate(node)
+        except Exception:  # noqa: BLE001 - the usual evaluation says what fails, and how
+            return None
+        finally:
+            env.update(originals)
+        leaf_keys = {storage_key(leaf) for _, leaf in leaves}
+        if any(storage_key(t) in leaf_keys for t in tensors(value)):
+            return None  # an input or a view of it: a later in-place op would refuse a leaf
+        return value, leaves, edges
+
+    def _probe(self, node: fx.Node, inputs: list[fx.Node],
+               ready: tuple[Any, _Leaves, list[Any]] | None
+               ) -> tuple[tuple[int, tuple[int, ...]] | None, int | None]:
+        """The node's backward peak and its inputs' gradient bytes, and its peak with the
+        parameters' gradients counted (see NOTE [ Temporaries of parameter gradients ]);
+        ``(None, None)`` when it has no backward that can be probed. ``ready`` is its forward
+        already run on leaves, or None to run it again here."""
+        args = (self, node, inputs, self._storage_index, self._watcher, self._saved_now)
+        norm = _fused_norm(self, node)
+        if ready is not None:
+            params = [] if norm else _trainable_params(self, node, inputs)
+            saved = list(self._saved_now)
+            self._saved_now.clear()  # the backward frees what the node saved, and counts it
+            found = _backward_peaks(ready[0], saved, ready[1], ready[2], params, len(inputs),
+                                    self._watcher)
+            if found is not None:
+                return (found[0], found[1]), found[2]
+            if not params:
+                return None, None
+            probed = _probe_backward(*args)  # the probe with parameters failed
+            return (None, None) if probed is None else ((probed[0], probed[1]), probed[0])
+        with_params = None if norm else _probe_backward(*args, with_params=True)
+        every = getattr(node.target, "makes_every_gradient", False)
+        if with_params is not None and not every:
+            return (with_params[0], with_params[1]), with_params[2]
+        probed = _probe_backward(*args)
+        if probed is None:
+            return None, None
+        if with_params is not None:
+            # Its backward makes its parameters' gradients even when only the activations'
+            # are asked for: they are in ``probed`` as temporaries, but they become ``.grad``
+            # (or wait for a tied reader) as any other's.
+            return (with_params[0], probed[1]), with_params[2]
+        return (probed[0], probed[1]), probed[0]
 
     def _loss_node(self, node: fx.Node, index: int, position: dict[fx.Node, int],
                    counter: FlopCounterMode, watcher: _WorkingSet,
@@ -825,10 +882,29 @@ def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[i
 # them the temporaries their ops make: a Linear on a permuted (channels-last) input copies
 # that input to a contiguous block to compute its weight gradient, and a convolution on
 # channels-last activations makes a channels-last weight gradient, which autograd copies to
-# the parameter's layout before it becomes ``.grad`` (timm's ConvNeXt: 18% of its peak). So
-# each node is probed a second time towards its parameters too. The gradients of the
-# parameters that become ``.grad`` as they are (not activations, as ``measure`` counts them)
-# are taken off that probe's peak; the node's backward peak is the larger of the two probes.
+# the parameter's layout before it becomes ``.grad`` (timm's ConvNeXt: 18% of its peak). So a
+# node with trainable parameters is probed towards its activations and its parameters
+# together, and the gradients of the parameters that become ``.grad`` as they are (not
+# activations, as ``measure`` counts them) are taken off that probe's peak. A node without
+# any (or whose probe with them fails) is probed towards its activations alone. Both probes
+# once ran for every node with parameters, the larger peak kept: over the 21 models of the
+# planning corpus the probe with parameters, less those gradients, was never below the other
+# (333 nodes equal, 7 above) and handed the inputs the same gradients, so the second probe
+# bought nothing but time.
+
+
+# NOTE [ One forward for the node and its probe ]
+# A node's forward runs once on the activations it reads, to measure what it saves and keeps
+# alive, and its probe needs a forward on leaves standing for them (NOTE [ Probing without
+# copies ]). Leaves that share their input's storage leave every count of the forward as it
+# is (the same storages are read, saved and made), so the forward runs once, on the leaves,
+# and its backward is the probe: one fake forward less per node, the dearer half of a
+# profile. The value the node hands on then has a history that starts at those leaves, which
+# is all any later node reads of it: each probes its own forward on leaves of its own. Nodes
+# that write to their inputs (a leaf refuses it), concatenations (NOTE [ Backwards known
+# without a probe ]) and the chunked head run as before, and so do a node whose forward
+# fails on leaves and one that returns an input or a view of it (a later in-place op on its
+# value would meet a leaf).
 
 
 # NOTE [ Probing without copies ]
@@ -912,49 +988,34 @@ def _fused_norm(interpreter: fx.Interpreter, node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _NORM_FUNCTIONS
 
 
-def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.Node],
-                    storage_index: dict[int, int], watcher: _WorkingSet,
-                    saved_now: list[torch.Tensor], *, with_params: bool = False,
-                    run: Any = None) -> tuple[int, tuple[int, ...], int] | None:
-    """Run one node again on fake leaves standing for the activations it reads, then its backward
-    from a fresh gradient of its output (see NOTE [ Gradients in backward ] in
-    :mod:`autockpt.chain`).
-
-    Returns the most new bytes alive at once in that backward, less the bytes the node saved
-    that the backward has already freed (the internals of a leaf module are freed op by op)
-    and less the gradients of parameters that become their ``.grad``; per input the bytes of
-    new storage handed on as its gradient; and the same peak with those parameter gradients
-    counted (when ``.grad`` already exists they are temporaries added into it). None when
-    nothing is differentiated, or when the node cannot run so on fake tensors (the chain then
-    falls back to the inputs' sizes). ``run``, when given, computes the node's value from the
-    environment instead of the node itself (the loss node).
-    """
-    if run is None and node.op in ("placeholder", "output", "get_attr"):
-        return None
+def _trainable_params(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.Node]
+                      ) -> list[torch.Tensor]:
+    """The trainable parameters the node reads (its module's, or fetched by ``get_attr``)."""
     env = interpreter.env
+    found = [env.get(i) for i in inputs if i.op == "get_attr"]
+    if node.op == "call_module":
+        found += list(interpreter.module.get_submodule(str(node.target)).parameters())
     params: list[torch.Tensor] = []
-    if with_params:
-        found = [env.get(i) for i in inputs if i.op == "get_attr"]
-        if node.op == "call_module":
-            found += list(interpreter.module.get_submodule(str(node.target)).parameters())
-        ids: set[int] = set()
-        for t in found:
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and id(t) not in ids:
-                ids.add(id(t))
-                params.append(t)
-        if not params:
-            return None
-    if not with_params and run is None and _joins_without_copies(env, node):
-        # See NOTE [ Backwards known without a probe ].
-        value = env.get(node)
-        if not any(t.requires_grad for t in tensors(value)):
-            return None
-        return 0, (0,) * len(inputs), 0
-    originals = {i: env[i] for i in inputs if i in env}
-    leaves: list[tuple[int, torch.Tensor]] = []
+    ids: set[int] = set()
+    for t in found:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and id(t) not in ids:
+            ids.add(id(t))
+            params.append(t)
+    return params
+
+
+_Leaves = list[tuple[int, torch.Tensor]]
+
+
+def _leaf_inputs(env: dict[fx.Node, Any], inputs: list[fx.Node], storage_index: dict[int, int],
+                 copy: bool) -> tuple[dict[fx.Node, Any], _Leaves, list[Any]]:
+    """The node's inputs with each activation that carries gradient replaced by a fake leaf
+    (NOTE [ Probing without copies ]): the substituted values, the leaves by input position,
+    and the gradient edges backward is asked for."""
+    leaves: _Leaves = []
     edges: list[Any] = []
 
-    def fresh(copy: bool, k: int, value: Any) -> Any:
+    def fresh(k: int, value: Any) -> Any:
         if (isinstance(value, torch.Tensor) and value.requires_grad
                 and storage_key(value) in storage_index):
             # A leaf of its own whose gradient edge is where the node's history starts; a
@@ -970,13 +1031,39 @@ def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.
             return leaf
         return value
 
+    substituted = {i: tree_map(functools.partial(fresh, k), env[i])
+                   for k, i in enumerate(inputs) if i in env}
+    return substituted, leaves, edges
+
+
+def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.Node],
+                    storage_index: dict[int, int], watcher: _WorkingSet,
+                    saved_now: list[torch.Tensor], *, with_params: bool = False,
+                    run: Any = None) -> tuple[int, tuple[int, ...], int] | None:
+    """Run one node again on fake leaves standing for the activations it reads, then its backward
+    from a fresh gradient of its output (see NOTE [ Gradients in backward ] in
+    :mod:`autockpt.chain`); :func:`_backward_peaks` says what is returned. ``run``, when
+    given, computes the node's value from the environment instead of the node itself (the
+    loss node)."""
+    if run is None and node.op in ("placeholder", "output", "get_attr"):
+        return None
+    env = interpreter.env
+    params: list[torch.Tensor] = []
+    if with_params:
+        params = _trainable_params(interpreter, node, inputs)
+        if not params:
+            return None
+    if not with_params and run is None and _joins_without_copies(env, node):
+        # See NOTE [ Backwards known without a probe ].
+        value = env.get(node)
+        if not any(t.requires_grad for t in tensors(value)):
+            return None
+        return 0, (0,) * len(inputs), 0
+    originals = {i: env[i] for i in inputs if i in env}
     mark = len(saved_now)
     # See NOTE [ Probing without copies ].
     for copy in ((True,) if _writes_in_place(interpreter, node) else (False, True)):
-        leaves.clear()
-        edges.clear()
-        substituted = {i: tree_map(functools.partial(fresh, copy, k), originals[i])
-                       for k, i in enumerate(inputs) if i in originals}
+        substituted, leaves, edges = _leaf_inputs(env, inputs, storage_index, copy)
         if not leaves:
             return None
         try:
@@ -990,6 +1077,25 @@ def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.
             env.update(originals)
             saved = saved_now[mark:]
             del saved_now[mark:]
+    del substituted, originals
+    return _backward_peaks(out, saved, leaves, edges, params, len(inputs), watcher)
+
+
+def _backward_peaks(out: Any, saved: list[torch.Tensor], leaves: _Leaves, edges: list[Any],
+                    params: list[torch.Tensor], input_count: int, watcher: _WorkingSet
+                    ) -> tuple[int, tuple[int, ...], int] | None:
+    """Run the backward of a node's forward already run on leaves (``out``, what it saved),
+    towards the leaves' ``edges`` and ``params``.
+
+    Returns the most new bytes alive at once in that backward, less the bytes the node saved
+    that the backward has already freed (the internals of a leaf module are freed op by op)
+    and less the gradients of parameters that become their ``.grad``; per input the bytes of
+    new storage handed on as its gradient; and the same peak with those parameter gradients
+    counted (when ``.grad`` already exists they are temporaries added into it). None when
+    nothing is differentiated, or when the node cannot run so on fake tensors (the chain then
+    falls back to the inputs' sizes). The caller must hold no other reference to ``saved``:
+    what the node saved is freed as its backward runs, and this counts it.
+    """
     outs = [t for t in tensors(out) if t.requires_grad]
     if not outs:
         return None
@@ -1005,7 +1111,8 @@ def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.
     watcher.reset()
     watcher.old_keys |= temp_old
     freed = _ledger_of(own.values(), watcher.note_freed)
-    del saved, own, out
+    saved.clear()
+    del own, out
     try:
         grads = torch.autograd.grad(outs, [*edges, *params], seeds, allow_unused=True)
     except Exception:  # noqa: BLE001 - an op without a fake backward: use the fallback
@@ -1013,7 +1120,7 @@ def _probe_backward(interpreter: _ProfileRunner, node: fx.Node, inputs: list[fx.
     finally:
         watcher.old_keys -= temp_old
         freed.clear()
-    per_input = [0] * len(inputs)
+    per_input = [0] * input_count
     seen = {storage_key(g) for g in seeds}
     for (k, _), grad in zip(leaves, grads):
         if grad is None:
