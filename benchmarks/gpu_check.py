@@ -22,8 +22,8 @@ budget asked for. For a few models, each in both checkpoint modes, at the least 
   rise over a step whose gradients are already allocated, as from the second step of a
   training loop, which leaves them out and is compared with the budget.
 
-Models: a GPT-style decoder with dropout on the embeddings, inside attention and on both
-residual branches (built here: ``benchmarks/models.gpt`` has none); torchvision's ResNet-50
+Models: the benchmarks' GPT-style decoder (``benchmarks/models.gpt``) with dropout 0.1 on the
+embeddings, inside attention and on both residual branches; torchvision's ResNet-50
 (``benchmarks/models.resnet50``, BatchNorm in train mode); Hugging Face GPT-2 from a small
 config with a vocabulary of 8192 as in ``benchmarks/huggingface.py`` (its own dropout 0.1 and
 loss; in non-reentrant mode autockpt runs the head in chunks, so its loss and gradients are
@@ -55,7 +55,6 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autockpt  # noqa: E402
 from autockpt.report import format_table  # noqa: E402
 from compare import device_info, missing_package, parse_device, synchronize  # noqa: E402
-from models import LOSSES, Blocks, resnet50  # noqa: E402
+from models import LOSSES, Blocks, gpt, resnet50  # noqa: E402
 
 MIB = 2**20
 MODES = ("non_reentrant", "reentrant")
@@ -79,56 +78,6 @@ LOSS_RTOL = 1e-5
 
 
 # --------------------------------------------------------------------------- models
-
-
-class DropoutAttention(nn.Module):
-    """Causal self-attention with dropout on the attention weights, inside the fused kernel
-    (``scaled_dot_product_attention(dropout_p=)``), whose random numbers the recompute must
-    draw again."""
-
-    def __init__(self, dim: int, heads: int, p: float) -> None:
-        super().__init__()
-        self.heads = heads
-        self.p = p
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(
-            2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.p if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class DropoutBlock(nn.Module):
-    """Pre-norm transformer block, GPT-2's dropout on both residual branches."""
-
-    def __init__(self, dim: int, heads: int, p: float) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn = DropoutAttention(dim, heads, p)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
-        return x + self.drop(self.mlp(self.norm2(x)))
-
-
-class DropoutEmbedding(nn.Module):
-    """Token and learned position embeddings, then dropout."""
-
-    def __init__(self, vocab: int, dim: int, length: int, p: float) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, dim)
-        self.positions = nn.Parameter(torch.randn(1, length, dim) * 0.02)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.tokens(ids) + self.positions[:, : ids.shape[1]])
 
 
 @dataclass(frozen=True)
@@ -158,12 +107,10 @@ DROPOUT = 0.1
 
 
 def dropout_gpt(sizes: Sizes) -> Blocks:
-    """A GPT-style decoder with dropout everywhere GPT-2 has it."""
-    torch.manual_seed(0)
-    dim, heads = sizes.gpt_dim, 4
-    blocks: list[nn.Module] = [DropoutBlock(dim, heads, DROPOUT) for _ in range(sizes.gpt_layers)]
-    return Blocks(DropoutEmbedding(GPT_VOCAB, dim, sizes.gpt_seq, DROPOUT), blocks,
-                  nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, GPT_VOCAB)))
+    """The benchmarks' GPT-style decoder with dropout everywhere GPT-2 has it (embeddings,
+    attention weights inside the fused kernel, both residual branches)."""
+    return gpt(layers=sizes.gpt_layers, dim=sizes.gpt_dim, heads=4, vocab=GPT_VOCAB,
+               length=sizes.gpt_seq, dropout=DROPOUT)
 
 
 def hf_gpt2(sizes: Sizes) -> nn.Module:

@@ -60,11 +60,18 @@ def mlp72() -> Blocks:
     return Blocks(nn.Identity(), blocks, nn.Linear(1000, 100))
 
 
+def _dropout(p: float) -> nn.Dropout | None:
+    """A dropout of ``p``, or None for none: a model without dropout keeps the graph it had
+    (no node that does nothing)."""
+    return nn.Dropout(p) if p else None
+
+
 class _Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, causal: bool) -> None:
+    def __init__(self, dim: int, heads: int, causal: bool, dropout: float = 0.0) -> None:
         super().__init__()
         self.heads = heads
         self.causal = causal
+        self.dropout = dropout
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
@@ -72,41 +79,52 @@ class _Attention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(
             2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        # Dropout on the attention weights happens inside the fused kernel: its random
+        # numbers are the recompute's to draw again.
+        extra = {"dropout_p": self.dropout if self.training else 0.0} if self.dropout else {}
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, **extra)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm transformer block: attention and a 4x GELU MLP, both residual."""
+    """Pre-norm transformer block: attention and a 4x GELU MLP, both residual, with GPT-2's
+    dropout on both residual branches when ``dropout`` is not 0."""
 
-    def __init__(self, dim: int, heads: int, causal: bool) -> None:
+    def __init__(self, dim: int, heads: int, causal: bool, dropout: float = 0.0) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = _Attention(dim, heads, causal)
+        self.attn = _Attention(dim, heads, causal, dropout)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = _dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        branch = self.attn(self.norm1(x))
+        x = x + (branch if self.drop is None else self.drop(branch))
+        branch = self.mlp(self.norm2(x))
+        return x + (branch if self.drop is None else self.drop(branch))
 
 
 class _TokenEmbedding(nn.Module):
-    def __init__(self, vocab: int, dim: int, length: int) -> None:
+    def __init__(self, vocab: int, dim: int, length: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, dim)
         self.positions = nn.Parameter(torch.zeros(1, length, dim))
+        self.drop = _dropout(dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tokens(ids) + self.positions[:, : ids.shape[1]]
+        x = self.tokens(ids) + self.positions[:, : ids.shape[1]]
+        return x if self.drop is None else self.drop(x)
 
 
-def gpt(layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 2048, length: int = 128
-        ) -> Blocks:
-    """A GPT-style decoder: token and position embeddings, causal blocks, tied-free LM head."""
+def gpt(layers: int = 12, dim: int = 256, heads: int = 4, vocab: int = 2048, length: int = 128,
+        dropout: float = 0.0) -> Blocks:
+    """A GPT-style decoder: token and position embeddings, causal blocks, tied-free LM head;
+    ``dropout`` where GPT-2 has it (embeddings, attention weights, residual branches)."""
     torch.manual_seed(0)
-    blocks: list[nn.Module] = [TransformerBlock(dim, heads, causal=True) for _ in range(layers)]
-    return Blocks(_TokenEmbedding(vocab, dim, length), blocks,
+    blocks: list[nn.Module] = [TransformerBlock(dim, heads, causal=True, dropout=dropout)
+                               for _ in range(layers)]
+    return Blocks(_TokenEmbedding(vocab, dim, length, dropout), blocks,
                   nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab)))
 
 
