@@ -1,8 +1,9 @@
 """The profiler's shortcuts give what its probes measure.
 
-NOTE [ Backwards known without a probe ] and the in-place rule of NOTE [ Probing without
-copies ] in autockpt/profile.py skip work; here each shortcut is turned off and the profile
-of the same graph must come out the same, node for node.
+NOTE [ Backwards known without a probe ], NOTE [ One forward for the node and its probe ] and
+the in-place rule of NOTE [ Probing without copies ] in autockpt/profile.py skip work; here
+each shortcut is turned off and the profile of the same graph must come out the same, node
+for node.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from autockpt import profile as profile_module
 from autockpt.capture import capture
 from autockpt.profile import profile
 from autockpt.stats import Profile
+from autockpt.trace import bind_inputs
+from tests.zoo import CASES, ZooCase
 
 
 class Joins(nn.Module):
@@ -68,3 +71,32 @@ def test_shortcuts_match_the_probes(monkeypatch: pytest.MonkeyPatch, input_grad:
     probed = _profile(model, x)
     assert fast.nodes == probed.nodes
     assert fast.storages == probed.storages
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.traceable], ids=lambda c: c.name)
+def test_one_forward_per_node_measures_what_two_did(monkeypatch: pytest.MonkeyPatch,
+                                                    case: ZooCase) -> None:
+    """NOTE [ One forward for the node and its probe ]: with the node's forward on leaves
+    turned off, every node runs its forward twice, as before; the profile is the same."""
+    model = case.build().train()
+    args, kwargs = case.inputs()
+    traced = capture(model, args, kwargs, method="fx")
+    inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(
+        bind_inputs(model, args, kwargs))))
+    taken: list[bool] = []
+    on_leaves = profile_module._ProfileRunner._evaluate_on_leaves
+
+    def counted(self, node, node_inputs):  # type: ignore[no-untyped-def]
+        ready = on_leaves(self, node, node_inputs)
+        taken.append(ready is not None)
+        return ready
+
+    monkeypatch.setattr(profile_module._ProfileRunner, "_evaluate_on_leaves", counted)
+    fast = profile(traced, inputs)
+    assert any(taken)
+    monkeypatch.setattr(profile_module._ProfileRunner, "_evaluate_on_leaves",
+                        lambda self, node, node_inputs: None)
+    twice = profile(traced, inputs)
+    assert fast.nodes == twice.nodes
+    assert fast.storages == twice.storages
+    assert fast.loss == twice.loss
