@@ -529,8 +529,7 @@ class _ProfileRunner(fx.Interpreter):
         target = node.target
         if (getattr(target, "record_parameter_gradients", None) is not None
                 or getattr(target, "makes_every_gradient", False)
-                or _writes_in_place(self, node)
-                or (node.op == "call_function" and target in _JOINS)):
+                or _writes_in_place(self, node) or _is_join(node)):
             return None
         env = self.env
         substituted, leaves, edges = _leaf_inputs(env, inputs, self._storage_index, copy=False)
@@ -932,10 +931,15 @@ _JOINS = frozenset([
 ])
 
 
+def _is_join(node: fx.Node) -> bool:
+    """Whether the node concatenates or stacks."""
+    return node.op == "call_function" and node.target in _JOINS
+
+
 def _joins_without_copies(env: dict[fx.Node, Any], node: fx.Node) -> bool:
     """Whether the node concatenates or stacks tensors of its output's dtype: see NOTE
     [ Backwards known without a probe ]."""
-    if node.op != "call_function" or node.target not in _JOINS:
+    if not _is_join(node):
         return False
     value = env.get(node)
     if not isinstance(value, torch.Tensor):

@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autockpt  # noqa: E402
 from autockpt.report import format_table  # noqa: E402
 from compare import device_info, missing_package, parse_device, synchronize  # noqa: E402
-from models import LOSSES, Blocks, gpt, resnet50  # noqa: E402
+from models import MODELS, Blocks, gpt, make_loss, resnet50  # noqa: E402
 
 MIB = 2**20
 MODES = ("non_reentrant", "reentrant")
@@ -142,16 +142,6 @@ class Case:
     loss: str
 
 
-def _with_fixed_targets(model: nn.Module, x: torch.Tensor) -> Callable[[Any], torch.Tensor]:
-    """Cross-entropy against fixed targets shaped from one eval forward (no BatchNorm update),
-    as ``models.make_loss`` builds it for the benchmarks."""
-    model.eval()
-    with torch.no_grad():
-        output = model(x)
-    model.train()
-    return LOSSES["cross_entropy"](output).fn
-
-
 def build_cases(names: list[str], sizes: Sizes, device: torch.device
                 ) -> tuple[list[Case], dict[str, str]]:
     """The cases named, built on the CPU from fixed seeds and moved to ``device``; the ones
@@ -164,7 +154,7 @@ def build_cases(names: list[str], sizes: Sizes, device: torch.device
             model = dropout_gpt(sizes).to(device)
             ids = torch.randint(0, GPT_VOCAB, (sizes.gpt_batch, sizes.gpt_seq),
                                 generator=generator).to(device)
-            cases.append(Case(name, model, (ids,), {}, _with_fixed_targets(model, ids),
+            cases.append(Case(name, model, (ids,), {}, make_loss(MODELS[name], model, ids).fn,
                               "cross_entropy, fixed targets"))
         elif name == "resnet50":
             package = missing_package("resnet50")
@@ -174,7 +164,7 @@ def build_cases(names: list[str], sizes: Sizes, device: torch.device
             model = resnet50().to(device)
             x = torch.randn(sizes.resnet_batch, 3, sizes.resnet_image, sizes.resnet_image,
                             generator=generator).to(device)
-            cases.append(Case(name, model, (x,), {}, _with_fixed_targets(model, x),
+            cases.append(Case(name, model, (x,), {}, make_loss(MODELS[name], model, x).fn,
                               "cross_entropy, fixed targets"))
         elif name == "gpt2":
             try:
