@@ -307,6 +307,11 @@ cost is searched again for cuts of its own (NOTE [ Block boundaries under skip c
 # what a segment ending with the stage is spared; hand-written per-block checkpoints get
 # this for free on every block, so a cost model without it would see them recompute more
 # than they do. Reentrant checkpoint reruns the whole segment to get its outputs.
+# The node the recompute stops in still runs the ops that make what it saves: a dropout
+# makes its mask, then saves it as the input of its last op (the multiply), so the recompute
+# ends with the mask allocated beside the dropout's input. The forward sweep of a stage
+# where the recompute stops counts those storages (``_own_saved_bytes``); counting the node
+# as not run at all left a recompute ending in a dropout one mask short of what it holds.
 
 
 def _savers(profile: Profile) -> tuple[list[bool], list[bool]]:
@@ -319,6 +324,15 @@ def _savers(profile: Profile) -> tuple[list[bool], list[bool]]:
             if saver == st.producer and profile.nodes[saver].saves_fresh:
                 saves_own[saver] = True
     return saves_own, saves_any
+
+
+def _own_saved_bytes(profile: Profile) -> list[int]:
+    """Per node: bytes of the storages it makes and saves itself."""
+    out = [0] * len(profile.nodes)
+    for st in profile.storages:
+        if st.producer in st.saved_by:
+            out[st.producer] += st.size_bytes
+    return out
 
 
 def _tails(profile: Profile, end: int, saves_own: Sequence[bool],
@@ -537,6 +551,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     grads_at, entry = _backward_grads(nodes, [end for _, end in spans],
                                       grad_accumulation=grad_accumulation)
     saves_own, saves_any = _savers(profile)
+    own_saved = _own_saved_bytes(profile)
     stages = []
     for s, (lo, hi) in enumerate(spans):
         members = nodes[lo:hi]
@@ -561,7 +576,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             plain_received_bytes=_sweep(nodes, lo, hi, held_plain[s] + received_plain[s]),
             checkpointed_received_bytes=_sweep(nodes, lo, hi, held_ckpt[s] + received_ckpt[s]),
             stopped_received_bytes=_sweep(nodes, lo, hi, held_plain[s] + received_plain[s],
-                                          stop),
+                                          stop, own_saved[stop] if stop < hi else 0),
         )
         stages.append(Stage(
             start=lo, end=hi, cost=sum(node_cost(m) for m in members),
@@ -688,21 +703,25 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,
 
 
 def _sweep(nodes: Sequence[NodeStat], start: int, end: int, spans: list[tuple[int, int, int]],
-           stop: int | None = None) -> int:
+           stop: int | None = None, stopped_bytes: int = 0) -> int:
     """Forward peak inside the stage of nodes ``start..end-1``: storages it produced that
     are still alive (``spans`` of ``(producer, last reader, bytes)``), plus the
     working set of the node running. A storage lives from the node after its producer (the
     producer's working set covers it there) to its last reader in the stage. With ``stop``,
-    only the nodes before that position run."""
+    only the nodes before that position run in full, and the node at ``stop`` makes only
+    ``stopped_bytes`` (what it saves of its own) before the recompute ends."""
     alive = [0] * (end - start + 1)
     for producer, last, size in spans:
         if last > producer:
             alive[producer + 1 - start] += size
             alive[last + 1 - start] -= size
     peak = running = 0
-    for k in range(start, end if stop is None else stop):
+    last = end if stop is None else stop
+    for k in range(start, last):
         running += alive[k - start]
         peak = max(peak, running + nodes[k].work_bytes)
+    if stopped_bytes and last < end:
+        peak = max(peak, running + alive[last - start] + stopped_bytes)
     return peak
 
 

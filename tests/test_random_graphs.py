@@ -13,7 +13,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, Phase, event, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, event, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import autockpt  # noqa: E402
@@ -61,9 +61,25 @@ def _step(model: torch.nn.Module, spec: GraphSpec) -> tuple[torch.Tensor, dict, 
     return loss.detach(), grads_of(model), [x.grad for x in inputs]
 
 
+def _layer(reads: tuple[int, ...], combine: str, op: str, frozen: bool = False) -> LayerSpec:
+    return LayerSpec(reads=reads, combine=combine, op=op, frozen=frozen)
+
+
+ENDS_IN_DROPOUT = GraphSpec(inputs=1, inputs_require_grad=True, batch=64, layers=(
+    _layer((0,), "gate", "norm", frozen=True), _layer((0, 1), "sum", "norm"),
+    _layer((1, 2), "cat", "dropout"), _layer((3,), "gate", "mlp", frozen=True),
+    _layer((0, 2, 4), "sum", "dropout"), _layer((5,), "gate", "tanh"),
+    _layer((6,), "cat", "linear_relu", frozen=True), _layer((1, 6, 7), "sum", "linear_relu"),
+    _layer((8,), "cat", "norm", frozen=True), _layer((9,), "cat", "norm")))
+"""Its least-memory plan has a segment whose recompute stops in a dropout: the recompute makes
+the mask (saved as the input of the dropout's last op) beside the dropout's input. The estimate
+once left the mask out and fell 10% below the measured peak."""
+
+
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           phases=(Phase.explicit, Phase.generate),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@example(spec=ENDS_IN_DROPOUT, mode="non_reentrant", fraction=None)
 @given(spec=graph_specs(), mode=st.sampled_from(("non_reentrant", "reentrant")),
        fraction=st.sampled_from((None, 0.5, 0.75)))
 def test_random_graph_trains_exactly_and_is_estimated_well(spec: GraphSpec, mode: str,
