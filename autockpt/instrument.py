@@ -344,6 +344,9 @@ class OpObserver:
         place, as the profile does for fake results whose storage is too small)."""
 
 
+_METADATA_QUERIES = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+
+
 class OpWatch(TorchDispatchMode):
     """The dispatch mode through which autockpt watches code run: every ATen op that runs while
     it is active, in forward and in backward (the autograd engine reinstalls the thread's mode
@@ -354,16 +357,30 @@ class OpWatch(TorchDispatchMode):
         count: how many ops it has seen; the op running now is number ``count``.
     """
 
-    def __init__(self, observer: OpObserver) -> None:
+    def __init__(self, observer: OpObserver,
+                 rules: Mapping[torch._ops.OpOverload, Callable[..., Any]] | None = None
+                 ) -> None:
         super().__init__()
         self.observer = observer
         self.count = 0
+        # Ops whose outputs a rule makes without running them (the profile's, NOTE [ Ops
+        # answered by a shape rule ] in autockpt.shape_rules); a rule returning None runs
+        # the op.
+        self._rules = rules or {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        rule = self._rules.get(func)
+        if func in _METADATA_QUERIES:
+            # Asked by autograd and by kernels thousands of times per model; it creates,
+            # reads and writes no tensor, so observers have nothing to see.
+            out = rule(*args) if rule is not None else None
+            return func(*args, **(kwargs or {})) if out is None else out
         self.count += 1
         op = Op(self.count, func, args, kwargs or {})
         self.observer.before_op(op)
-        out = func(*args, **op.kwargs)
+        out = rule(*args, **op.kwargs) if rule is not None else None
+        if out is None:
+            out = func(*args, **op.kwargs)
         self.observer.after_op(op, out)
         return out
 

@@ -36,6 +36,7 @@ from autockpt.capture import has_hooks
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
                                  run_with_state, storage_key, tensors)
 from autockpt.loss import LossFn, call_loss, inner_loss
+from autockpt.shape_rules import SHAPE_RULES
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
 from autockpt.trace import TracedModel
 
@@ -126,6 +127,10 @@ class _WorkingSet(OpObserver):
 
 
 _ALIASING = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
+
+_SHAPE_RULES = SHAPE_RULES
+"""The ops whose fake outputs a rule makes (NOTE [ Ops answered by a shape rule ] in
+:mod:`autockpt.shape_rules`); tests set it to ``{}`` to run every op."""
 
 
 def _reduced_losses() -> tuple[Any, ...]:
@@ -324,7 +329,8 @@ class _ProfileRunner(fx.Interpreter):
 
     def profile_graph(self, *values_in: Any) -> None:
         """One run of the graph on the forward's (fake) parameters, every node measured."""
-        with self._counter, OpWatch(self._watcher), torch.autograd.graph.saved_tensors_hooks(
+        watch = OpWatch(self._watcher, _SHAPE_RULES)
+        with self._counter, watch, torch.autograd.graph.saved_tensors_hooks(
                 self._pack, lambda t: t):
             self.run(*values_in, enable_io_processing=False)
 

@@ -1,0 +1,220 @@
+"""The outputs of a few ATen ops made directly on fake tensors, for the profile.
+
+# NOTE [ Ops answered by a shape rule ]
+The profile runs every op of the model on fake tensors, forward and backward. For most ops
+that is cheap: their meta kernel is C++, or FakeTensorMode's cache answers a shape it has
+seen. Normalisations are the exception: BatchNorm, LayerNorm and GroupNorm have no C++ meta
+kernel, so a fake tensor runs their Python decomposition, dozens of small ops, every time it
+meets a new shape: 20-40 ms per op on this 2-core CPU. A DenseNet-121 meets 120 BatchNorm
+shapes, forward and backward, and spent half of its planning time there; the elementwise
+backwards of activations (ReLU's ``threshold_backward``, GELU's, SiLU's) cost a few ms each
+the same way.
+
+What the profile reads of an op is its outputs: shapes, strides, dtypes and storage sizes,
+never values. For these ops those follow from the inputs by rules that are short and known,
+so :data:`SHAPE_RULES` makes the outputs as empty fake tensors instead of running the op.
+Each rule claims only the common case (floating inputs of one dtype in a dense contiguous or
+channels-last layout, training mode) and returns None for anything else, which then runs
+the op as before. tests/test_shape_rules.py checks every rule against the op itself on a grid
+of shapes, layouts and dtypes, and the profiles of the zoo with and without the rules.
+None of these ops is counted by ``FlopCounterMode`` (a normalisation's FLOPs are not in its
+table), so skipping the kernel changes no FLOP count either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__ = ["SHAPE_RULES", "ShapeRule"]
+
+ShapeRule = Callable[..., Any]
+"""Takes an op's arguments as the op does; returns its outputs, or None to run the op."""
+
+_FLOATS = (torch.float32, torch.float64)
+
+
+def _dense(tensor: Any) -> bool:
+    """A fake floating tensor laid out densely, contiguous or channels last, without a
+    dimension of size 1 (whose stride elementwise kernels choose their own way)."""
+    if not isinstance(tensor, FakeTensor) or tensor.dtype not in _FLOATS:
+        return False
+    if any(n <= 1 for n in tensor.shape):
+        return False
+    if tensor.is_contiguous():
+        return True
+    if tensor.dim() == 4:
+        return tensor.is_contiguous(memory_format=torch.channels_last)
+    if tensor.dim() == 5:
+        return tensor.is_contiguous(memory_format=torch.channels_last_3d)
+    return False
+
+
+def _vector(tensor: Any, size: int, dtype: torch.dtype) -> bool:
+    """None, or a fake 1-D contiguous tensor of ``size`` elements of ``dtype``."""
+    return tensor is None or (isinstance(tensor, FakeTensor) and tensor.dtype == dtype
+                              and tensor.dim() == 1 and tensor.numel() == size
+                              and tensor.is_contiguous())
+
+
+def _same_layout(first: torch.Tensor, *others: Any) -> bool:
+    return all(isinstance(t, FakeTensor) and t.dtype == first.dtype and t.shape == first.shape
+               and t.stride() == first.stride() for t in others)
+
+
+def _empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+
+
+def _batch_norm(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
+                training: bool, momentum: float, eps: float) -> Any:
+    if not training or not _dense(input) or input.dim() < 2:
+        return None
+    channels = input.shape[1]
+    if not all(_vector(t, channels, input.dtype)
+               for t in (weight, bias, running_mean, running_var)):
+        return None
+    return (torch.empty_like(input), _empty((channels,), input),
+            _empty((channels,), input))
+
+
+def _batch_norm_backward(grad_out: Any, input: Any, weight: Any, running_mean: Any,
+                         running_var: Any, save_mean: Any, save_invstd: Any, train: bool,
+                         eps: float, output_mask: Sequence[bool]) -> Any:
+    if not train or not _dense(input) or input.dim() < 2 or not _same_layout(input, grad_out):
+        return None
+    channels = input.shape[1]
+    if not all(_vector(t, channels, input.dtype)
+               for t in (weight, running_mean, running_var, save_mean, save_invstd)):
+        return None
+    # The decomposition that fake tensors run makes the input's gradient even when it is not
+    # asked for; the rule gives what the op gives.
+    return (torch.empty_like(input),
+            _empty((channels,), input) if output_mask[1] else None,
+            _empty((channels,), input) if output_mask[2] else None)
+
+
+def _normalized(input: Any, normalized_shape: Sequence[int]) -> int:
+    """Where the normalised dimensions of a dense contiguous ``input`` start, or -1."""
+    if not _dense(input) or not input.is_contiguous():
+        return -1
+    axis = input.dim() - len(normalized_shape)
+    return axis if axis >= 0 and tuple(input.shape[axis:]) == tuple(normalized_shape) else -1
+
+
+def _affine(tensor: Any, input: torch.Tensor, normalized_shape: Sequence[int]) -> bool:
+    return tensor is None or (isinstance(tensor, FakeTensor) and tensor.dtype == input.dtype
+                              and tuple(tensor.shape) == tuple(normalized_shape)
+                              and tensor.is_contiguous())
+
+
+def _layer_norm(input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any,
+                eps: float) -> Any:
+    axis = _normalized(input, normalized_shape)
+    if axis < 0 or not all(_affine(t, input, normalized_shape) for t in (weight, bias)):
+        return None
+    stats = list(input.shape[:axis]) + [1] * len(normalized_shape)
+    return torch.empty_like(input), _empty(stats, input), _empty(stats, input)
+
+
+def _layer_norm_backward(grad_out: Any, input: Any, normalized_shape: Sequence[int], mean: Any,
+                         rstd: Any, weight: Any, bias: Any, output_mask: Sequence[bool]) -> Any:
+    if _normalized(input, normalized_shape) < 0 or not _same_layout(input, grad_out):
+        return None
+    if not all(_affine(t, input, normalized_shape) for t in (weight, bias)):
+        return None
+    if (output_mask[1] and weight is None) or (output_mask[2] and bias is None):
+        return None
+    return (torch.empty_like(input) if output_mask[0] else None,
+            torch.empty_like(weight) if output_mask[1] else None,
+            torch.empty_like(bias) if output_mask[2] else None)
+
+
+def _group_norm(input: Any, weight: Any, bias: Any, n: int, channels: int, hxw: int,
+                groups: int, eps: float) -> Any:
+    if not _dense(input) or not input.is_contiguous() or input.dim() < 2 or \
+            input.shape[0] != n or input.shape[1] != channels:
+        return None
+    if not all(_vector(t, channels, input.dtype) for t in (weight, bias)):
+        return None
+    return torch.empty_like(input), _empty((n, groups), input), _empty((n, groups), input)
+
+
+def _group_norm_backward(grad_out: Any, input: Any, mean: Any, rstd: Any, weight: Any, n: int,
+                         channels: int, hxw: int, groups: int,
+                         output_mask: Sequence[bool]) -> Any:
+    if not _dense(input) or not input.is_contiguous() or not _same_layout(input, grad_out) \
+            or input.dim() < 2 or input.shape[0] != n or input.shape[1] != channels:
+        return None
+    if not _vector(weight, channels, input.dtype):
+        return None
+    return (torch.empty_like(input) if output_mask[0] else None,
+            _empty((channels,), input) if output_mask[1] else None,
+            _empty((channels,), input) if output_mask[2] else None)
+
+
+def _view(input: Any, size: Sequence[int]) -> Any:
+    """A view of a contiguous tensor: the same storage, contiguous strides for the new shape
+    (``as_strided`` has a C++ meta kernel; ``view`` on a fake tensor runs torch's Python
+    reference for every new shape)."""
+    if not isinstance(input, FakeTensor) or not input.is_contiguous() or input.numel() == 0 \
+            or any(n == 1 for n in input.shape):
+        return None
+    shape = list(size)
+    if shape.count(-1) > 1 or any(n < -1 for n in shape):
+        return None
+    known = 1
+    for n in shape:
+        if n != -1:
+            known *= n
+    if -1 in shape:
+        if known == 0 or input.numel() % known:
+            return None
+        shape[shape.index(-1)] = input.numel() // known
+    elif known != input.numel():
+        return None
+    if any(n <= 1 for n in shape):
+        return None
+    strides = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        strides[k] = strides[k + 1] * shape[k + 1]
+    return input.as_strided(shape, strides, input.storage_offset())
+
+
+def _device(tensor: Any) -> Any:
+    """``tensor.device`` of a fake tensor, as FakeTensorMode answers it (autograd asks it
+    thousands of times per model, each through every mode on the stack)."""
+    if not isinstance(tensor, FakeTensor):
+        return None
+    return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
+
+
+def _pointwise_backward(grad_out: Any, input: Any, *rest: Any, **kwargs: Any) -> Any:
+    """The backward of an activation: the gradient of its input, laid out like both
+    operands when they share a layout."""
+    if not _dense(grad_out) or not _same_layout(grad_out, input):
+        return None
+    return torch.empty_like(grad_out)
+
+
+_aten = torch.ops.aten
+
+SHAPE_RULES: Mapping[torch._ops.OpOverload, ShapeRule] = {
+    _aten.native_batch_norm.default: _batch_norm,
+    _aten.native_batch_norm_backward.default: _batch_norm_backward,
+    _aten.native_layer_norm.default: _layer_norm,
+    _aten.native_layer_norm_backward.default: _layer_norm_backward,
+    _aten.native_group_norm.default: _group_norm,
+    _aten.native_group_norm_backward.default: _group_norm_backward,
+    _aten.threshold_backward.default: _pointwise_backward,
+    _aten.gelu_backward.default: _pointwise_backward,
+    _aten.silu_backward.default: _pointwise_backward,
+    _aten.sigmoid_backward.default: _pointwise_backward,
+    _aten.tanh_backward.default: _pointwise_backward,
+    _aten.view.default: _view,
+    torch.ops.prim.device.default: _device,
+}
+"""The ops answered by a rule (NOTE [ Ops answered by a shape rule ])."""
