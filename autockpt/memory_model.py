@@ -159,6 +159,7 @@ class MemoryModel:
                      for t in range(self.count)]
         self._passing_in, self._passing_done, self._passing_before = _passing_tables(chain)
         self._passing_made = _prefix([s.passing_made_bytes for s in stages])
+        self._backward = backward
         self._backward_max = _running_max(backward)
         # A recompute from ``a`` makes again the passing storages of stages ``a..t-1`` that
         # ``t`` or later stages read; those made before ``a`` are the segment's inputs.
@@ -223,19 +224,29 @@ class MemoryModel:
                           - self._segment_offset[a])
         if not self.reentrant:
             return max(lower, recompute_peak), after, lower
-        # Reentrant backward re-runs the segment to its outputs and runs a backward of its
-        # own through them: the recomputed outputs, their incoming gradients (accumulated from
-        # every reader) and the gradients it hands on are alive at once, and its detached
-        # inputs get a .grad of their own before it is handed on.
-        # Three copies of what escapes the segment, one of them already among the storages
-        # the recompute saves again when something saves it.
-        extra = (3 * (self._long_lived[b + 1] - self._long_lived[a] + self._outputs[b + 1]
-                      - self._outputs[a] + self._passing_made[b + 1] - self._passing_made[a])
-                 - (self._long_lived_saved[b + 1] - self._long_lived_saved[a])
-                 + chain.cuts[a].crossing_bytes)
-        boundary = 3 * chain.cuts[b + 1].crossing_bytes - chain.cuts[b + 1].producer_saved_bytes
-        lower += extra
-        return max(lower + boundary, recompute_peak + extra), after, lower
+        # NOTE [ Reentrant backward ]: the recompute runs to the segment's outputs and a
+        # backward of its own starts from them; until it returns, the recomputed outputs and
+        # the gradients they were handed stay alive (held by its frame), one copy of each of
+        # what escapes the segment. At the last stage the gradients crossing out of it are
+        # among the stage's own (``backward``), so only the long-lived and passing ones are
+        # extra; before it, all are. At the first stage the inputs' gradients are made while
+        # all of that is still alive.
+        cuts = chain.cuts
+        inner = (self._long_lived[b + 1] - self._long_lived[a] + self._outputs[b + 1]
+                 - self._outputs[a] + self._passing_made[b + 1] - self._passing_made[a])
+        escaping = inner + cuts[b + 1].crossing_bytes
+        input_grads = cuts[a].crossing_bytes
+        base = held_now - self._segment_offset[a]
+        # What the last stage saves of its outputs is counted in ``backward`` already.
+        last = (base + self._backward[b] + escaping - cuts[b + 1].producer_saved_bytes + inner
+                + (input_grads if a == b else 0))
+        before = (base + self._backward_max[a][b - a - 1] + 2 * escaping + input_grads
+                  if b > a else 0)
+        # The recompute makes the outputs crossing out of the last stage in that stage's
+        # sweep, with their gradients among those entering it; the long-lived and passing
+        # ones made earlier stay alive beside it.
+        recompute_peak += inner
+        return max(last, before, recompute_peak), after, lower + inner
 
     def segments_from(self, a: int, follows_segment: bool
                       ) -> Iterator[tuple[int, int, int, int, int]]:

@@ -16,12 +16,6 @@ TOLERANCE = 0.10
 FRACTIONS = ("min", 0.5, 1.0)
 SLOW = {"mlp72", "densenet_block", "resnet", "generator"}
 
-# Plans whose estimate is still more than 10% over the measure (never under): checkpointed
-# residual blocks (the reentrant terms for a segment's outputs and boundary overshoot; the
-# non-reentrant recompute term of resnet's least-memory plan too).
-KNOWN_OVER = {("resnet", "reentrant"), ("inplace_relu", "reentrant"),
-              ("transformer", "reentrant")}
-
 
 def squares(output: Any) -> torch.Tensor:
     """``mean(t**2)`` summed over the floating-point outputs that require grad: every output
@@ -38,9 +32,6 @@ def _params() -> list[object]:
             marks = []
             if case.name in SLOW:
                 marks.append(pytest.mark.slow)
-            if (case.name, mode) in KNOWN_OVER:
-                marks.append(pytest.mark.xfail(reason="reentrant estimate off by more than 10%",
-                                               strict=False))
             out.append(pytest.param(case, mode, marks=marks, id=f"{case.name}-{mode}"))
     return out
 

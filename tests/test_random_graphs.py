@@ -30,7 +30,7 @@ from tests.random_graphs import (  # noqa: E402
 
 ESTIMATE_TOLERANCE = 0.05
 """The estimate may fall this far below the measured peak, no further."""
-OVER_ESTIMATE = {"non_reentrant": 1.10, "reentrant": 1.35}
+OVER_ESTIMATE = {"non_reentrant": 1.10, "reentrant": 1.15}
 """How far above the measured peak the estimate may be (see the known gaps below)."""
 EXAMPLES = 40
 
@@ -106,8 +106,9 @@ def test_random_graph_trains_exactly_and_is_estimated_well(spec: GraphSpec, mode
     measured = autockpt.measure(transformed, args, loss_fn=loss_fn).peak_activation_bytes
     estimated = plan.estimated_peak_bytes
     # A known gap, noted on issue 14: where segments share inputs the estimate can count a
-    # storage twice, and reentrant mode's recomputed outputs are priced pessimistically
-    # (OVER_ESTIMATE). It never falls short by more than the budget's slack.
+    # storage twice, a long-lived storage made inside a segment is held to the end, and
+    # reentrant mode's recomputed outputs and their gradients are added at every stage of the
+    # segment (OVER_ESTIMATE). It never falls short by more than the budget's slack.
     low, high = measured * (1 - ESTIMATE_TOLERANCE), measured * OVER_ESTIMATE[mode]
     assert low <= estimated <= high, (
         f"{mode}, {len(plan.segments)} segments: estimated {estimated} B, measured "
