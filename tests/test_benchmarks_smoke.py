@@ -131,3 +131,15 @@ def test_planner_speed_corpus_times_the_models_the_tests_plan(capsys: pytest.Cap
     assert all(r["first_plan_seconds"] > 0 and r["capture_seconds"] > 0 for r in rows)
     planner_speed.print_corpus(rows)
     assert "slowest first plan: " in capsys.readouterr().out
+
+
+def test_estimate_accuracy_measures_random_graphs() -> None:
+    """benchmarks/estimate_accuracy.py plans, applies and measures a random graph at three
+    budgets and summarises the ratios."""
+    import estimate_accuracy
+
+    rows = estimate_accuracy.run(1, ["non_reentrant"])
+    assert [r["fraction"] for r in rows] == [None, 0.5, 0.75]
+    assert all(r["measured_bytes"] > 0 and r["estimated_bytes"] >= 0.95 * r["measured_bytes"]
+               for r in rows)
+    assert estimate_accuracy.summary(rows).splitlines()[1].startswith("non_reentrant")
