@@ -237,9 +237,9 @@ class MemoryModel:
         escaping = inner + cuts[b + 1].crossing_bytes
         input_grads = cuts[a].crossing_bytes
         base = held_now - self._segment_offset[a]
-        # What the last stage saves of its outputs is counted in ``backward`` already.
-        last = (base + self._backward[b] + escaping - cuts[b + 1].producer_saved_bytes + inner
-                + (input_grads if a == b else 0))
+        # Even what the last stage saves of its outputs counts again: ``backward`` frees it
+        # once its saver has run, the frame keeps it to the end.
+        last = base + self._backward[b] + escaping + inner + (input_grads if a == b else 0)
         before = (base + self._backward_max[a][b - a - 1] + 2 * escaping + input_grads
                   if b > a else 0)
         # The recompute makes the outputs crossing out of the last stage in that stage's
