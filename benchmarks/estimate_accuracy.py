@@ -30,20 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autockpt  # noqa: E402
-from tests.random_graphs import (  # noqa: E402
-    COMBINES,
-    OPS,
-    GraphSpec,
-    LayerSpec,
-    build,
-    cross_entropy,
-    example_inputs,
-)
+from tests import random_graphs as graphs  # noqa: E402
 
 FRACTIONS = (None, 0.5, 0.75)
 
 
-def random_spec(seed: int) -> GraphSpec:
+def random_spec(seed: int) -> graphs.GraphSpec:
     """A graph drawn the way tests/test_random_graphs.py draws them, from ``seed``."""
     rng = random.Random(seed)
     inputs = rng.randint(1, 3)
@@ -51,26 +43,28 @@ def random_spec(seed: int) -> GraphSpec:
     for k in range(rng.randint(4, 20)):
         latest = inputs + k - 1
         extra = rng.sample(range(latest + 1), k=min(rng.randint(0, 2), latest + 1))
-        layers.append(LayerSpec(reads=tuple(sorted({latest, *extra})),
-                                combine=rng.choice(COMBINES), op=rng.choice(OPS),
-                                frozen=rng.randint(0, 5) == 0))
-    return GraphSpec(inputs=inputs, inputs_require_grad=rng.random() < 0.5,
-                     layers=tuple(layers), batch=rng.choice((64, 256)))
+        layers.append(graphs.LayerSpec(reads=tuple(sorted({latest, *extra})),
+                                       combine=rng.choice(graphs.COMBINES),
+                                       op=rng.choice(graphs.OPS), frozen=rng.randint(0, 5) == 0))
+    return graphs.GraphSpec(inputs=inputs, inputs_require_grad=rng.random() < 0.5,
+                            layers=tuple(layers), batch=rng.choice((64, 256)))
 
 
 def run(seeds: int, modes: list[str]) -> list[dict[str, Any]]:
     rows = []
     for seed in range(seeds):
         spec = random_spec(seed)
-        args, loss_fn = example_inputs(spec), cross_entropy(spec)
-        baseline = autockpt.measure(build(spec), args, loss_fn=loss_fn).peak_activation_bytes
+        args, loss_fn = graphs.example_inputs(spec), graphs.cross_entropy(spec)
+        baseline = autockpt.measure(graphs.build(spec), args,
+                                    loss_fn=loss_fn).peak_activation_bytes
         for mode in modes:
-            probe = autockpt.plan(build(spec), args, mode=mode, loss_fn=loss_fn)
+            probe = autockpt.plan(graphs.build(spec), args, mode=mode, loss_fn=loss_fn)
             for fraction in FRACTIONS:
                 budget = None if fraction is None else max(
                     probe.min_peak_bytes, int(probe.baseline_peak_bytes * fraction))
                 with contextlib.redirect_stdout(io.StringIO()):
-                    model = autockpt.apply(build(spec), None if budget is None else budget / 2**20,
+                    model = autockpt.apply(graphs.build(spec),
+                                           None if budget is None else budget / 2**20,
                                            example_inputs=args, mode=mode, loss_fn=loss_fn)
                 plan = autockpt.plan_of(model)
                 measured = autockpt.measure(model, args, loss_fn=loss_fn).peak_activation_bytes
