@@ -716,12 +716,12 @@ def _sweep(nodes: Sequence[NodeStat], start: int, end: int, spans: list[tuple[in
             alive[producer + 1 - start] += size
             alive[last + 1 - start] -= size
     peak = running = 0
-    last = end if stop is None else stop
-    for k in range(start, last):
+    ran_to = end if stop is None else stop
+    for k in range(start, ran_to):
         running += alive[k - start]
         peak = max(peak, running + nodes[k].work_bytes)
-    if stopped_bytes and last < end:
-        peak = max(peak, running + alive[last - start] + stopped_bytes)
+    if stopped_bytes and ran_to < end:
+        peak = max(peak, running + alive[ran_to - start] + stopped_bytes)
     return peak
 
 
