@@ -264,8 +264,12 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     arguments = bind_inputs(module, args, kwargs)
     view = shallow_view(module, cls)
     flags = [(m, m.training) for m in view.modules()]
+    emit_stack_traces = torch.fx.config.do_not_emit_stack_traces
     try:
         view.train()
+        # Recording each node's Python stack is a third of export's time on a transformer,
+        # and nothing here reads ``stack_trace``.
+        torch.fx.config.do_not_emit_stack_traces = True
         exported = torch.export.export(view, (), dict(arguments), strict=False)
     except Exception as err:  # export raises many kinds; all mean "not exportable"
         fix = ("see the torch.export error above; autockpt.apply(..., capture='modules') "
@@ -282,6 +286,7 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             model_name=cls.__name__,
         ) from err
     finally:
+        torch.fx.config.do_not_emit_stack_traces = emit_stack_traces
         for mod, was_training in flags:
             mod.training = was_training
     unlifted = exported.module()
