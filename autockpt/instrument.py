@@ -15,6 +15,7 @@ a checkpoint) and :mod:`autockpt.timing` (the nodes run one by one).
 - :class:`LiveStorages` remembers storages while they live and says when one is freed: the
   working sets and peaks are built on it.
 - :func:`flop_counter` counts FLOPs (a mode of torch's own, beside the watch).
+- :func:`watch_saved` hands each tensor autograd saves to a callback, and lets it go after.
 - :func:`run_with_state` runs a graph with other parameters and buffers swapped in.
 
 Example:
@@ -34,11 +35,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Generic, TypeVar
 
@@ -58,6 +60,7 @@ __all__ = [
     "leaves",
     "map_tensors",
     "run_with_state",
+    "watch_saved",
     "storage_key",
     "storage_key_or_none",
     "storage_of",
@@ -386,6 +389,62 @@ class OpWatch(TorchDispatchMode):
 
 
 # --------------------------------------------------------------------------- FLOPs
+
+
+# NOTE [ Saved tensors held from C++ ]
+# What a pack hook returns is kept by the autograd node that saved it, a C++ object the Python
+# garbage collector cannot see into. A hook that returns the tensor itself closes a cycle the
+# collector never breaks whenever an op saves its own output (ReLU, softmax, sigmoid): the
+# tensor holds its grad_fn, which holds the tensor. A forward that is only watched, never
+# run backward (the profile on fake tensors; the modules rung's one real forward), then keeps
+# its whole autograd graph alive for the life of the process: thousands of objects per plan
+# (each full collection walks them all, so later plans slowed down), and for a real forward
+# its activations. The hook returns a box instead, emptied when the block ends; whatever
+# holds the watched tensors past the block (an interpreter's environment) must let them go.
+
+
+class _Saved:
+    """What :func:`watch_saved`'s pack hook hands autograd: the tensor, until the block ends."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+
+    def unpack(self) -> torch.Tensor | None:
+        return self.tensor
+
+
+@contextlib.contextmanager
+def watch_saved(on_save: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Call ``on_save`` with every tensor autograd saves for backward inside the block; a
+    backward run inside the block finds them as usual. After the block, the autograd graphs
+    built in it no longer hold them (NOTE [ Saved tensors held from C++ ]): a backward
+    through them fails.
+
+    Example:
+        >>> import torch
+        >>> sizes = []
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> with watch_saved(lambda t: sizes.append(t.numel())):
+        ...     y = torch.relu(x * 2)   # mul saves nothing it needs (scalar), relu its output
+        >>> sizes
+        [3]
+    """
+    boxes: list[_Saved] = []
+
+    def pack(tensor: torch.Tensor) -> _Saved:
+        on_save(tensor)
+        boxes.append(_Saved(tensor))
+        return boxes[-1]
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, _Saved.unpack):
+            yield
+    finally:
+        for box in boxes:
+            box.tensor = None
+        boxes.clear()
 
 
 def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:

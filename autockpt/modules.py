@@ -81,7 +81,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
-                                 storage_key, tensors)
+                                 storage_key, tensors, watch_saved)
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs
 from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
@@ -305,12 +305,11 @@ class _Session:
                 if t.requires_grad and found is not None:
                     self.recorder.reads.append((record.end, found, True))
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensor: torch.Tensor) -> None:
         # A storage first seen here was allocated outside the dispatcher: counted here.
         found = self.recorder.serial(tensor, self.recorder.count)
         if found is not None:
             self.saved.append((self.recorder.count, found, tensor.requires_grad))
-        return tensor
 
     def run(self, fn: Callable[[], Any]) -> Any:
         handles = []
@@ -320,8 +319,7 @@ class _Session:
                 handles.append(sub.register_forward_pre_hook(self.pre, with_kwargs=True))
                 handles.append(sub.register_forward_hook(self.post, with_kwargs=True,
                                                          always_call=False))
-            with self.flops, self.recorder.watch, torch.autograd.graph.saved_tensors_hooks(
-                    self.pack, lambda t: t):
+            with self.flops, self.recorder.watch, watch_saved(self.pack):
                 output = fn()
             return output
         finally:

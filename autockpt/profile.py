@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autockpt.errors import InvalidArgumentError
 from autockpt.capture import has_hooks
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
-                                 run_with_state, storage_key, tensors)
+                                 run_with_state, storage_key, tensors, watch_saved)
 from autockpt.loss import LossFn, call_loss, inner_loss
 from autockpt.shape_rules import SHAPE_RULES
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
@@ -330,14 +330,18 @@ class _ProfileRunner(fx.Interpreter):
     def profile_graph(self, *values_in: Any) -> None:
         """One run of the graph on the forward's (fake) parameters, every node measured."""
         watch = OpWatch(self._watcher, _SHAPE_RULES)
-        with self._counter, watch, torch.autograd.graph.saved_tensors_hooks(
-                self._pack, lambda t: t):
-            self.run(*values_in, enable_io_processing=False)
+        try:
+            with self._counter, watch, watch_saved(self._pack):
+                self.run(*values_in, enable_io_processing=False)
+        finally:
+            # The fake graphs die with their tensors (NOTE [ Saved tensors held from C++ ]
+            # in autockpt/instrument.py); what was measured is in the runner's lists.
+            self._saved_now.clear()
+            self.env.clear()
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> None:
         self._saved_now.append(tensor)
         self._watcher.note_saved(tensor)
-        return tensor
 
     def _own(self, key: int, tensor: torch.Tensor, producer: int) -> int | None:
         if key in self._param_keys or key in self._input_keys:

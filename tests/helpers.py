@@ -11,6 +11,7 @@ distributed tests start their workers with :func:`run_workers`.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -51,6 +52,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MODES = ("non_reentrant", "reentrant")
 """Both checkpoint modes, in the order tests parametrize over them."""
+
+
+def live_tensors() -> int:
+    """Tensors (fake ones included) the garbage collector finds alive after a collection."""
+    gc.collect()
+    # type(), not isinstance: the latter reads __class__, which warns on deprecated objects.
+    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
 
 
 def grads_of(model: nn.Module) -> dict[str, Tensor | None]:

@@ -29,7 +29,7 @@ from autockpt.modules import (
 )
 from autockpt.planner import BUDGET_SLACK
 from autockpt.trace import shallow_view
-from tests.helpers import MODES, assert_same_step, budget_for, train_step
+from tests.helpers import MODES, assert_same_step, budget_for, live_tensors, train_step
 
 BUDGETS = (1.0, 0.5, "min")
 
@@ -185,6 +185,21 @@ def test_fake_profile_of_a_traceable_model_matches_real_sizes() -> None:
     prof = profile_modules(net, (x,))
     assert prof.fake and prof.blocks == ("0", "1", "2", "3")
     assert [prof.call(b).input_bytes for b in prof.blocks] == [8 * 32 * 4] * 4
+
+
+@pytest.mark.parametrize("fake", [True, False])
+def test_profile_leaves_no_tensor_alive(fake: bool) -> None:
+    """The profile's forward is never run backward: its autograd graph must die with it
+    (NOTE [ Saved tensors held from C++ ] in autockpt/instrument.py). KwNet calls ``.item()``,
+    so its forward runs for real: a leak there kept real activations."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[ResidualMLP(32) for _ in range(4)]) if fake else KwNet()
+    args, kwargs = ((torch.randn(8, 32),), {}) if fake else _kw_inputs()
+    assert profile_modules(model, args, kwargs).fake == fake
+    before = live_tensors()
+    for _ in range(2):
+        profile_modules(model, args, kwargs)
+    assert live_tensors() == before
 
 
 def test_weight_shared_module_is_not_a_block() -> None:
