@@ -9,13 +9,11 @@ the stage before it ends a checkpointed segment (NOTE [ The memory model ] in
 
 from __future__ import annotations
 
-import gc
 import math
 import operator
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator
-from contextlib import contextmanager
 
+from autockpt._gc import paused
 from autockpt.chain import Chain
 from autockpt.memory_model import MemoryModel, Ranges, as_tree, model_of, recompute_cost
 
@@ -73,7 +71,9 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
     rest = _least_suffix_peaks(model)
     if budget is None:
         budget = int(rest[(0, False)])  # the least peak, then the cheapest plan reaching it
-    with _gc_paused():
+    # The programme creates hundreds of thousands of small tuples that all stay alive until
+    # it ends, none of them in a cycle: the collector would scan all of them again and again.
+    with paused():
         # A quick pass that keeps only a few entries per state finds a plan that fits,
         # usually of near-least cost. Its cost bounds the exact pass: an entry that already
         # costs more can never lead to the optimum (costs only add up), and dropping it
@@ -107,23 +107,6 @@ def least_peak(chain: Chain, mode: str = "non_reentrant") -> int:
     """The least estimated peak any choice of single-level ranges reaches (see
     :func:`optimal_ranges` for an example)."""
     return int(_least_suffix_peaks(model_of(chain, mode))[(0, False)])
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector, if it runs, for the duration.
-
-    The programme creates hundreds of thousands of small tuples that all stay alive until it
-    ends, none of them in a cycle: every few hundred allocations the collector would scan
-    all of them again, which made it several times slower on long graphs.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 _SKETCH_WIDTH = 8

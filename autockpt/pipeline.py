@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from autockpt import modules
+from autockpt._gc import paused
 from autockpt.budget import DeviceBudget, device_budget
 from autockpt.capture import NoGraph, capture, hooked_modules
 from autockpt.chunking import chunk_rows, chunked_head, find_row_stretch
@@ -217,10 +218,11 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
     does)."""
     config = with_hooked_modules(module, config)
-    traced = capture(module, args, kwargs, config.capture, config.keep_whole)
-    if isinstance(traced, NoGraph):
-        return plan_blocks(module, args, kwargs, traced.reason, config).plan
-    return plan_graph(module, traced, bind_inputs(module, args, kwargs), config).plan
+    with paused():  # NOTE [ Planning with the collector paused ] in autockpt/_gc.py
+        traced = capture(module, args, kwargs, config.capture, config.keep_whole)
+        if isinstance(traced, NoGraph):
+            return plan_blocks(module, args, kwargs, traced.reason, config).plan
+        return plan_graph(module, traced, bind_inputs(module, args, kwargs), config).plan
 
 
 def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any],
@@ -393,15 +395,16 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     # A given plan is re-applied to a graph captured the way it was made.
     method = plan.capture if plan is not None else config.capture
     config = with_hooked_modules(module, config)
-    traced = capture(module, args, kwargs, method, config.keep_whole)
-    if isinstance(traced, NoGraph):
-        made = plan_blocks(module, args, kwargs, traced.reason, config)
-        if plan is None:
-            return made
-        modules.blocks_of_plan(made.profile, plan)  # a given plan must name these blocks
-        return BlockPlan(plan, made.profile)
-    if plan is not None and plan.chunked_head is not None:
-        traced = chunk_rows(traced, plan.chunked_head)
-    planned = (fit_plan(plan, traced) if plan is not None
-               else plan_graph(module, traced, arguments, config))
-    return Compiled(planned, compile_plan(module, planned, variant_id))
+    with paused():  # NOTE [ Planning with the collector paused ] in autockpt/_gc.py
+        traced = capture(module, args, kwargs, method, config.keep_whole)
+        if isinstance(traced, NoGraph):
+            made = plan_blocks(module, args, kwargs, traced.reason, config)
+            if plan is None:
+                return made
+            modules.blocks_of_plan(made.profile, plan)  # a given plan must name these blocks
+            return BlockPlan(plan, made.profile)
+        if plan is not None and plan.chunked_head is not None:
+            traced = chunk_rows(traced, plan.chunked_head)
+        planned = (fit_plan(plan, traced) if plan is not None
+                   else plan_graph(module, traced, arguments, config))
+        return Compiled(planned, compile_plan(module, planned, variant_id))

@@ -8,6 +8,8 @@ for node.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -119,3 +121,29 @@ def test_a_plan_leaves_no_tensor_alive(mode: str) -> None:
     for _ in range(3):
         autockpt.plan(model, args, example_kwargs=kwargs, mode=mode)
     assert live_tensors() == before
+
+
+def test_planning_pauses_the_collector_and_restores_it() -> None:
+    """NOTE [ Planning with the collector paused ] in autockpt/_gc.py: paused while the
+    profile runs the user's loss, enabled again after the plan, after a failed plan, and
+    left disabled for a user who disabled it."""
+    seen: list[bool] = []
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return out.pow(2).mean()
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    assert gc.isenabled()
+    autockpt.plan(net, (x,), loss_fn=loss_fn)
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(autockpt.InfeasibleBudgetError):
+        autockpt.plan(net, (x,), budget_mb=1e-6)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        autockpt.plan(net, (x,))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
