@@ -56,6 +56,7 @@ __all__ = [
     "Op",
     "OpObserver",
     "OpWatch",
+    "SavedTensors",
     "flop_counter",
     "leaves",
     "map_tensors",
@@ -415,12 +416,27 @@ class _Saved:
         return self.tensor
 
 
+class SavedTensors:
+    """The tensors :func:`watch_saved` handed autograd, kept past its block until
+    :meth:`release` (a second run that resumes the first one's graph needs them)."""
+
+    def __init__(self) -> None:
+        self._boxes: list[_Saved] = []
+
+    def release(self) -> None:
+        """Let the autograd graphs drop the tensors (NOTE [ Saved tensors held from C++ ])."""
+        for box in self._boxes:
+            box.tensor = None
+        self._boxes.clear()
+
+
 @contextlib.contextmanager
-def watch_saved(on_save: Callable[[torch.Tensor], None]) -> Iterator[None]:
+def watch_saved(on_save: Callable[[torch.Tensor], None], keep: SavedTensors | None = None
+                ) -> Iterator[None]:
     """Call ``on_save`` with every tensor autograd saves for backward inside the block; a
-    backward run inside the block finds them as usual. After the block, the autograd graphs
-    built in it no longer hold them (NOTE [ Saved tensors held from C++ ]): a backward
-    through them fails.
+    backward run inside the block finds them as usual. After the block (or, with ``keep``,
+    after ``keep.release()``), the autograd graphs built in it no longer hold them (NOTE
+    [ Saved tensors held from C++ ]): a backward through them fails.
 
     Example:
         >>> import torch
@@ -431,20 +447,19 @@ def watch_saved(on_save: Callable[[torch.Tensor], None]) -> Iterator[None]:
         >>> sizes
         [3]
     """
-    boxes: list[_Saved] = []
+    held = keep if keep is not None else SavedTensors()
 
     def pack(tensor: torch.Tensor) -> _Saved:
         on_save(tensor)
-        boxes.append(_Saved(tensor))
-        return boxes[-1]
+        held._boxes.append(_Saved(tensor))
+        return held._boxes[-1]
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, _Saved.unpack):
             yield
     finally:
-        for box in boxes:
-            box.tensor = None
-        boxes.clear()
+        if keep is None:
+            held.release()
 
 
 def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:

@@ -33,7 +33,7 @@ from autockpt.chunking import chunk_rows, chunked_head, find_row_stretch
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.loss import LossFn
 from autockpt.planner import Plan, make_plan
-from autockpt.profile import ProbeCache, profile
+from autockpt.profile import ProfileShare, profile
 from autockpt.rewrite import Program, graph_fingerprint, rewrite
 from autockpt.stats import LOSS_OP, ChunkedHead, Profile, RowStretch
 from autockpt.timing import time_nodes
@@ -235,16 +235,28 @@ def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any]
     [ The head in chunks of rows ] in :mod:`autockpt.chunking`)."""
     budget_bytes, device = resolve_budget(module, (), arguments, config)
     inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
-    # The graph with its head in chunks shares every node before the head with this one: its
-    # profile probes only the nodes that differ.
-    probes: ProbeCache = {}
-    plain, plain_error, stats = _plan_traced(module, traced, inputs, config, budget_bytes, device,
-                                             probes)
     # Non-reentrant mode only: under reentrant segments (BART, float64) a chunked head sent
     # the segments' nested backwards into a runaway recursion (autograd made a thread per
     # level), not yet understood.
     chunk = config.chunk_head and config.mode == "non_reentrant"
-    stretch = find_row_stretch(traced.graph_module) if chunk else None
+    # The graph with its head in chunks shares every node before the head with this one: its
+    # profile resumes this one's run and probes only the nodes that differ.
+    share = ProfileShare() if chunk else None
+    try:
+        return _plan_both(module, traced, inputs, config, budget_bytes, device, share)
+    finally:
+        if share is not None:
+            share.release()
+
+
+def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
+               config: ApplyConfig, budget_bytes: int | None, device: DeviceBudget | None,
+               share: ProfileShare | None) -> GraphPlan:
+    """:func:`plan_graph` once the inputs and the budget are known; ``share`` is None where
+    the head is never chunked."""
+    plain, plain_error, stats = _plan_traced(module, traced, inputs, config, budget_bytes, device,
+                                             share)
+    stretch = find_row_stretch(traced.graph_module) if share is not None else None
     if stretch is None or (plain is not None and not _chunking_may_pay(plain, stats, stretch)):
         if plain is None:
             assert plain_error is not None
@@ -256,7 +268,7 @@ def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any]
     chunked_traced = chunk_rows(traced, head)
     try:
         chunked, chunked_error, _ = _plan_traced(module, chunked_traced, inputs, config,
-                                                 budget_bytes, device, probes, head,
+                                                 budget_bytes, device, share, head,
                                                  forward_flops)
     except InvalidArgumentError:
         # The user's loss_fn reads the logits the chunked graph no longer returns.
@@ -287,12 +299,13 @@ def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any]
 
 def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
                  config: ApplyConfig, budget_bytes: int | None, device: DeviceBudget | None,
-                 probes: ProbeCache, head: ChunkedHead | None = None, head_forward_flops: int = 0
+                 share: ProfileShare | None, head: ChunkedHead | None = None,
+                 head_forward_flops: int = 0
                  ) -> tuple[GraphPlan | None, InfeasibleBudgetError | None, Profile]:
     """Profile and plan one graph; an infeasible budget is returned, not raised, so that
     the caller can try the graph with the head in chunks (``head``, whose stretch's forward
     costs ``head_forward_flops``)."""
-    stats = profile(traced, inputs, loss_fn=config.loss_fn, probes=probes)
+    stats = profile(traced, inputs, loss_fn=config.loss_fn, share=share)
     if head is not None:
         # The chunked node's FLOPs are the stretch's forward and backward: the model's
         # forward FLOPs stay the model's.

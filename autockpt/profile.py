@@ -20,7 +20,7 @@ from typing import Any
 
 import contextlib
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -33,8 +33,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import InvalidArgumentError
 from autockpt.capture import has_hooks
-from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
-                                 run_with_state, storage_key, tensors, watch_saved)
+from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, SavedTensors, flop_counter,
+                                 map_tensors, run_with_state, storage_key, tensors, watch_saved)
 from autockpt.loss import LossFn, call_loss, inner_loss
 from autockpt.shape_rules import SHAPE_RULES
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
@@ -203,17 +203,73 @@ ProbeCache = dict[tuple[Any, ...], Any]
 profiles of graphs that share nodes (the graph with its head whole and in chunks)."""
 
 
+# NOTE [ A second graph resumes the first ]
+# The graph with its head in chunks is the plain graph with a few nodes at its end replaced
+# (autockpt.chunking.chunk_rows): every node before the first that differs is the same node
+# on the same inputs, and its profile is the same. So the plain profile keeps its run (the
+# fake tensors of its environment, what autograd saved of them, its records), and the second
+# profile starts from that run's state at the first differing node: the records of the
+# nodes before it, cut to what they were then (a storage's users and savers before it, a
+# node's users by their positions in the new graph), and only the nodes from there on run.
+# That skips the forward of most of the graph a second time (T5: 0.3-0.45 s of a plan). A
+# plain graph whose later nodes write in place into earlier values (which the second run
+# would see changed) is profiled again from the start. tests/test_profile.py checks the
+# resumed profile against a fresh one.
+
+
+class ProfileShare:
+    """What the profiles of two graphs that share their first nodes (the graph with its head
+    whole and in chunks) share: the backward probes, and the first profile's run, which the
+    second resumes (NOTE [ A second graph resumes the first ]). :meth:`release` lets the run's
+    fake tensors go; the first profile keeps it until then.
+
+    Example:
+        >>> import torch
+        >>> from autockpt.trace import trace
+        >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        >>> x = torch.randn(4, 8)
+        >>> share = ProfileShare()
+        >>> first = profile(trace(net, (x,)), {"input": x}, share=share)
+        >>> again = profile(trace(net, (x,)), {"input": x}, share=share)  # nothing differs
+        >>> share.release()
+        >>> first.nodes == again.nodes
+        True
+    """
+
+    def __init__(self) -> None:
+        self.probes: ProbeCache = {}
+        self._kept: _KeptRun | None = None
+
+    def release(self) -> None:
+        """Drop the kept run."""
+        if self._kept is not None:
+            self._kept.runner.release()
+            self._kept = None
+
+
+@dataclass
+class _KeptRun:
+    runner: _ProfileRunner
+    fake_mode: FakeTensorMode
+    fake_state: dict[str, torch.Tensor]
+    values_in: list[Any]
+    param_keys: set[int]
+    input_keys: set[int]
+    buffer_names: dict[int, str]
+
+
 def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | None = None,
-            probes: ProbeCache | None = None) -> Profile:
+            share: ProfileShare | None = None) -> Profile:
     """Run the traced graph on fake tensors and measure each node, and the loss of the step.
 
     ``inputs`` maps the forward's parameter names to the example values (real or fake tensors,
     or Python values); only their shapes, dtypes and ``requires_grad`` matter. ``loss_fn`` is
     the user's loss, run on the fake output after the graph; without it the profile takes the
     model's own loss when its output holds one, else assumes an output-sized gradient for each
-    floating output (see NOTE [ The loss node ]). ``probes``, when given, is a cache of
-    backward probes read and filled here: a second profile of a graph that shares most nodes
-    with the first probes only the nodes that differ.
+    floating output (see NOTE [ The loss node ]). ``share``, when given, carries the backward
+    probes from one profile to the next, and the first profile's run, which the second resumes
+    where the graphs start to differ (NOTE [ A second graph resumes the first ]); the caller
+    calls ``share.release()`` when done.
 
     Example:
         >>> import torch
@@ -227,35 +283,80 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
         ('assumed', 128)
     """
     gm = traced.graph_module
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    # Tied parameters (shared embeddings) appear once here; functional_call re-ties them.
-    named = list(gm.named_parameters()) + list(gm.named_buffers())
-    fake_state = {name: fake_mode.from_tensor(t) for name, t in named}
-    param_keys = {storage_key(t) for t in fake_state.values()}
-    buffer_names = {storage_key(fake_state[n]): n for n, _ in gm.named_buffers()}
+    kept = share._kept if share is not None else None
+    start = _resume_point(kept.runner, gm) if kept is not None else None
+    if kept is not None and start is not None:
+        fake_mode, fake_state, values_in = kept.fake_mode, kept.fake_state, kept.values_in
+        param_keys, input_keys = set(kept.param_keys), kept.input_keys
+        buffer_names = kept.buffer_names
+    else:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        # Tied parameters (shared embeddings) appear once here; functional_call re-ties them.
+        named = list(gm.named_parameters()) + list(gm.named_buffers())
+        fake_state = {name: fake_mode.from_tensor(t) for name, t in named}
+        param_keys = {storage_key(t) for t in fake_state.values()}
+        buffer_names = {storage_key(fake_state[n]): n for n, _ in gm.named_buffers()}
 
-    def fakeify(value: Any) -> Any:
-        # Tensors inside containers too: a dict or dataclass batch is one placeholder whose
-        # tensors the graph reads with getitem/getattr.
-        return map_tensors(value, fake_mode.from_tensor)
+        def fakeify(value: Any) -> Any:
+            # Tensors inside containers too: a dict or dataclass batch is one placeholder
+            # whose tensors the graph reads with getitem/getattr.
+            return map_tensors(value, fake_mode.from_tensor)
 
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    values_in = []
-    for node, name in zip(placeholders, traced.spec.param_names):
-        if name not in inputs:
-            raise InvalidArgumentError(f"no example value for the forward's parameter {name!r}")
-        values_in.append(fakeify(inputs[name]))
-    input_keys = {storage_key(t) for v in values_in for t in tensors(v)}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        values_in = []
+        for node, name in zip(placeholders, traced.spec.param_names):
+            if name not in inputs:
+                raise InvalidArgumentError(
+                    f"no example value for the forward's parameter {name!r}")
+            values_in.append(fakeify(inputs[name]))
+        input_keys = {storage_key(t) for v in values_in for t in tensors(v)}
 
-    runner = _ProfileRunner(gm, param_keys, input_keys, buffer_names,
-                            {} if probes is None else probes)
-    runner.real_state = dict(named)
+    keep = share is not None and kept is None
+    runner = _ProfileRunner(gm, set(param_keys), input_keys, buffer_names,
+                            {} if share is None else share.probes, keep=keep)
+    runner.real_state = dict(list(gm.named_parameters()) + list(gm.named_buffers()))
     runner.loss_fn = loss_fn
     runner.unflatten = traced.unflatten
+    if kept is not None and start is not None:
+        runner.resume(kept.runner, start)
     with fake_mode:
         run_with_state(gm, fake_state, runner.profile_graph, tuple(values_in))
+    if keep:
+        assert share is not None
+        share._kept = _KeptRun(runner, fake_mode, fake_state, values_in, param_keys,
+                               input_keys, buffer_names)
     description = describe_inputs((), {n: inputs[n] for n in traced.spec.param_names})
     return runner.result(description)
+
+
+def _resume_point(first: _ProfileRunner, gm: fx.GraphModule) -> int | None:
+    """The position of the first node of ``gm`` that differs from the graph ``first`` ran,
+    or None where the second profile must run from the start (NOTE [ A second graph resumes
+    the first ])."""
+    old = list(first.module.graph.nodes)
+    new = list(gm.graph.nodes)
+    # The output node runs the loss node too (NOTE [ The loss node ]): always run again.
+    last = min(len(old), len(new)) - 1
+    start = next((i for i, (a, b) in enumerate(zip(old[:last], new)) if not _same_node(a, b)),
+                 last)
+    stats = first.stats_so_far()
+    if start == 0 or start >= len(stats) or any(
+            st.mutated_inputs or st.mutated_buffers for st in stats[start:]):
+        return None
+    if any(st.index != i for i, st in enumerate(stats[:start])):
+        return None
+    producers = [st["producer"] for st in first.storage_records()]
+    if producers != sorted(producers):
+        return None
+    return start
+
+
+def _same_node(a: fx.Node, b: fx.Node) -> bool:
+    def names(arg: Any) -> Any:
+        return fx.node.map_arg(arg, lambda n: n.name)
+
+    return (a.name == b.name and a.op == b.op and a.target == b.target
+            and names(a.args) == names(b.args) and names(a.kwargs) == names(b.kwargs))
 
 
 @contextlib.contextmanager
@@ -303,9 +404,14 @@ class _ProfileRunner(fx.Interpreter):
         input_keys: set[int],
         buffer_names: dict[int, str],
         probes: ProbeCache,
+        keep: bool = False,
     ) -> None:
         # Every value stays in the environment: the loss node and the probes read them.
         super().__init__(gm, garbage_collect_values=False)
+        # Whether the run outlives profile_graph (ProfileShare): until release().
+        self._keep = keep
+        self._saved = SavedTensors()
+        self._initial_env: dict[fx.Node, Any] | None = None
         self.extra_traceback = False
         self._param_keys = param_keys
         self._input_keys = input_keys
@@ -328,16 +434,58 @@ class _ProfileRunner(fx.Interpreter):
         self._watcher = _WorkingSet(old_keys=set(param_keys) | set(input_keys))
 
     def profile_graph(self, *values_in: Any) -> None:
-        """One run of the graph on the forward's (fake) parameters, every node measured."""
+        """One run of the graph on the forward's (fake) parameters, every node measured (from
+        the resumed node on, after :meth:`resume`)."""
         watch = OpWatch(self._watcher, _SHAPE_RULES)
         try:
-            with self._counter, watch, watch_saved(self._pack):
-                self.run(*values_in, enable_io_processing=False)
+            with self._counter, watch, watch_saved(self._pack, self._saved):
+                self.run(*values_in, initial_env=self._initial_env,
+                         enable_io_processing=False)
         finally:
-            # The fake graphs die with their tensors (NOTE [ Saved tensors held from C++ ]
-            # in autockpt/instrument.py); what was measured is in the runner's lists.
-            self._saved_now.clear()
-            self.env.clear()
+            self._initial_env = None
+            if not self._keep:
+                self.release()
+
+    def release(self) -> None:
+        """Let the fake graphs die with their tensors (NOTE [ Saved tensors held from C++ ]
+        in autockpt/instrument.py); what was measured is in the runner's records."""
+        self._saved.release()
+        self._saved_now.clear()
+        self.env.clear()
+
+    def stats_so_far(self) -> list[NodeStat]:
+        return self._stats
+
+    def storage_records(self) -> list[dict[str, Any]]:
+        return self._storages
+
+    def resume(self, first: _ProfileRunner, start: int) -> None:
+        """Take ``first``'s state as it was before its node at ``start``, the nodes before it
+        being the same in both graphs (NOTE [ A second graph resumes the first ])."""
+        old_nodes = list(first.module.graph.nodes)[:start]
+        new_nodes = list(self.module.graph.nodes)
+        position = self._position
+        kept = sum(1 for st in first._storages if st["producer"] < start)
+        self._storages = [
+            {**st, "users": {u for u in st["users"] if u < start},
+             "saved_by": {u for u in st["saved_by"] if u < start}, "is_output": False}
+            for st in first._storages[:kept]]
+        self._storage_index = {key: slot for key, slot in first._storage_index.items()
+                               if slot < kept}
+        self._watcher.old_keys |= set(self._storage_index)
+        self._param_reads = [dict(reads) for reads in first._param_reads[:start]]
+        self._initial_env = {}
+        for old, new in zip(old_nodes, new_nodes):
+            self._initial_env[new] = first.env[old]
+            if old in first._value_storages:
+                self._value_storages[new] = list(first._value_storages[old])
+            stat = replace(first._stats[old_index := position[new]],
+                           users=tuple(sorted(position[u] for u in new.users)))
+            assert stat.index == old_index
+            new.meta["autockpt"] = stat
+            if "autockpt_tensor" in old.meta:
+                new.meta["autockpt_tensor"] = old.meta["autockpt_tensor"]
+            self._stats.append(stat)
 
     def _pack(self, tensor: torch.Tensor) -> None:
         self._saved_now.append(tensor)

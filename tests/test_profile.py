@@ -147,3 +147,39 @@ def test_planning_pauses_the_collector_and_restores_it() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_chunked_graph_resumes_the_plain_run(monkeypatch: pytest.MonkeyPatch,
+                                                 tied: bool) -> None:
+    """NOTE [ A second graph resumes the first ]: the graph with its head in chunks, profiled
+    from the plain graph's run where the two start to differ, gives the profile a run of its
+    own gives, node for node and storage for storage, and runs only the nodes from there on."""
+    from autockpt.chunking import chunk_rows, chunked_head, find_row_stretch
+    from tests.test_chunked_head import LM, batch, token_cross_entropy
+
+    torch.manual_seed(0)
+    model = autockpt.with_loss(LM(tied), token_cross_entropy)
+    args = batch()
+    traced = capture(model, args, {})
+    inputs = dict(zip(traced.spec.param_names,
+                      traced.graph_inputs(bind_inputs(model, args, {}))))
+    share = profile_module.ProfileShare()
+    profile(traced, inputs, share=share)
+    stretch = find_row_stretch(traced.graph_module)
+    assert stretch is not None
+    run_node = profile_module._ProfileRunner.run_node
+    ran: list[str] = []
+
+    def counted(self, node):  # type: ignore[no-untyped-def]
+        ran.append(node.name)
+        return run_node(self, node)
+
+    monkeypatch.setattr(profile_module._ProfileRunner, "run_node", counted)
+    resumed = profile(chunk_rows(traced, chunked_head(stretch)), inputs, share=share)
+    share.release()
+    assert 0 < len(ran) < len(resumed.nodes) // 2
+    fresh = profile(chunk_rows(traced, chunked_head(stretch)), inputs)
+    assert resumed.nodes == fresh.nodes
+    assert resumed.storages == fresh.storages
+    assert resumed.loss == fresh.loss
