@@ -54,11 +54,12 @@ MODES = ("non_reentrant", "reentrant")
 """Both checkpoint modes, in the order tests parametrize over them."""
 
 
-def live_tensors() -> int:
-    """Tensors (fake ones included) the garbage collector finds alive after a collection."""
+def live_tensors() -> set[int]:
+    """The ids of the tensors (fake ones included) alive after a collection: a test compares
+    two of these sets, since what earlier tests left may be freed in between."""
     gc.collect()
     # type(), not isinstance: the latter reads __class__, which warns on deprecated objects.
-    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
+    return {id(obj) for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)}
 
 
 def grads_of(model: nn.Module) -> dict[str, Tensor | None]:

@@ -199,7 +199,7 @@ def test_profile_leaves_no_tensor_alive(fake: bool) -> None:
     before = live_tensors()
     for _ in range(2):
         profile_modules(model, args, kwargs)
-    assert live_tensors() == before
+    assert not live_tensors() - before
 
 
 def test_weight_shared_module_is_not_a_block() -> None:
