@@ -40,7 +40,7 @@ from autockpt.shape_rules import SHAPE_RULES
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
 from autockpt.trace import TracedModel
 
-__all__ = ["profile", "describe_inputs", "flop_counter"]
+__all__ = ["ProfileShare", "profile", "describe_inputs", "flop_counter"]
 
 
 class _WorkingSet(OpObserver):
@@ -339,13 +339,13 @@ def _resume_point(first: _ProfileRunner, gm: fx.GraphModule) -> int | None:
     last = min(len(old), len(new)) - 1
     start = next((i for i, (a, b) in enumerate(zip(old[:last], new)) if not _same_node(a, b)),
                  last)
-    stats = first.stats_so_far()
+    stats = first._stats
     if start == 0 or start >= len(stats) or any(
             st.mutated_inputs or st.mutated_buffers for st in stats[start:]):
         return None
     if any(st.index != i for i, st in enumerate(stats[:start])):
         return None
-    producers = [st["producer"] for st in first.storage_records()]
+    producers = [st["producer"] for st in first._storages]
     if producers != sorted(producers):
         return None
     return start
@@ -452,12 +452,6 @@ class _ProfileRunner(fx.Interpreter):
         self._saved.release()
         self._saved_now.clear()
         self.env.clear()
-
-    def stats_so_far(self) -> list[NodeStat]:
-        return self._stats
-
-    def storage_records(self) -> list[dict[str, Any]]:
-        return self._storages
 
     def resume(self, first: _ProfileRunner, start: int) -> None:
         """Take ``first``'s state as it was before its node at ``start``, the nodes before it
