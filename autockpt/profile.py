@@ -469,13 +469,12 @@ class _ProfileRunner(fx.Interpreter):
         self._watcher.old_keys |= set(self._storage_index)
         self._param_reads = [dict(reads) for reads in first._param_reads[:start]]
         self._initial_env = {}
-        for old, new in zip(old_nodes, new_nodes):
+        # _resume_point checked that the first records are the first nodes, in order.
+        for old, new, old_stat in zip(old_nodes, new_nodes, first._stats):
             self._initial_env[new] = first.env[old]
             if old in first._value_storages:
                 self._value_storages[new] = list(first._value_storages[old])
-            stat = replace(first._stats[old_index := position[new]],
-                           users=tuple(sorted(position[u] for u in new.users)))
-            assert stat.index == old_index
+            stat = replace(old_stat, users=tuple(sorted(position[u] for u in new.users)))
             new.meta["autockpt"] = stat
             if "autockpt_tensor" in old.meta:
                 new.meta["autockpt_tensor"] = old.meta["autockpt_tensor"]
