@@ -37,27 +37,47 @@ ShapeRule = Callable[..., Any]
 _FLOATS = (torch.float32, torch.float64)
 
 
+def _packed_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """The strides torch gives a new tensor of ``shape`` whose dimensions lie in memory in
+    ``order``, innermost first (a dimension of size 1 or 0 counts as 1)."""
+    strides = [0] * len(shape)
+    step = 1
+    for dim in order:
+        strides[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(strides)
+
+
+def _contiguous(tensor: Any) -> bool:
+    """A fake tensor with the strides ``torch.empty`` gives its shape. Stricter than
+    ``is_contiguous()``, which ignores the stride of a dimension of size 1: kernels copy that
+    stride into their outputs, so a rule that chose its own would disagree with the op."""
+    return isinstance(tensor, FakeTensor) and tensor.numel() > 0 and \
+        tensor.stride() == _packed_strides(tensor.shape, range(tensor.dim() - 1, -1, -1))
+
+
+def _channels_last(tensor: Any) -> bool:
+    """A 4-D or 5-D fake tensor with the strides ``torch.empty(..., memory_format=
+    torch.channels_last)`` (or ``channels_last_3d``) gives its shape."""
+    if not isinstance(tensor, FakeTensor) or tensor.dim() not in (4, 5) or tensor.numel() == 0:
+        return False
+    order = [1, *range(tensor.dim() - 1, 1, -1), 0]
+    return tensor.stride() == _packed_strides(tensor.shape, order)
+
+
 def _dense(tensor: Any) -> bool:
-    """A fake floating tensor laid out densely, contiguous or channels last, without a
-    dimension of size 1 (whose stride elementwise kernels choose their own way)."""
-    if not isinstance(tensor, FakeTensor) or tensor.dtype not in _FLOATS:
-        return False
-    if any(n <= 1 for n in tensor.shape):
-        return False
-    if tensor.is_contiguous():
-        return True
-    if tensor.dim() == 4:
-        return tensor.is_contiguous(memory_format=torch.channels_last)
-    if tensor.dim() == 5:
-        return tensor.is_contiguous(memory_format=torch.channels_last_3d)
-    return False
+    """A fake floating tensor laid out as a new contiguous or channels-last tensor is, the
+    layouts in which the outputs of these ops copy their input's strides (dimensions of
+    size 1 included, checked on the grid of tests/test_shape_rules.py)."""
+    return isinstance(tensor, FakeTensor) and tensor.dtype in _FLOATS and \
+        (_contiguous(tensor) or _channels_last(tensor))
 
 
 def _vector(tensor: Any, size: int, dtype: torch.dtype) -> bool:
     """None, or a fake 1-D contiguous tensor of ``size`` elements of ``dtype``."""
     return tensor is None or (isinstance(tensor, FakeTensor) and tensor.dtype == dtype
                               and tensor.dim() == 1 and tensor.numel() == size
-                              and tensor.is_contiguous())
+                              and _contiguous(tensor))
 
 
 def _same_layout(first: torch.Tensor, *others: Any) -> bool:
@@ -71,7 +91,9 @@ def _empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
 
 def _batch_norm(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
                 training: bool, momentum: float, eps: float) -> Any:
-    if not training or not _dense(input) or input.dim() < 2:
+    if not training or not _dense(input) or input.dim() < 2 or input.numel() == input.shape[1]:
+        # One value per channel: the op refuses it (torch.nn.functional.batch_norm says
+        # "Expected more than 1 value per channel"), so it runs and raises as it would.
         return None
     channels = input.shape[1]
     if not all(_vector(t, channels, input.dtype)
@@ -99,7 +121,7 @@ def _batch_norm_backward(grad_out: Any, input: Any, weight: Any, running_mean: A
 
 def _normalized(input: Any, normalized_shape: Sequence[int]) -> int:
     """Where the normalised dimensions of a dense contiguous ``input`` start, or -1."""
-    if not _dense(input) or not input.is_contiguous():
+    if not _dense(input) or not _contiguous(input):
         return -1
     axis = input.dim() - len(normalized_shape)
     return axis if axis >= 0 and tuple(input.shape[axis:]) == tuple(normalized_shape) else -1
@@ -108,7 +130,7 @@ def _normalized(input: Any, normalized_shape: Sequence[int]) -> int:
 def _affine(tensor: Any, input: torch.Tensor, normalized_shape: Sequence[int]) -> bool:
     return tensor is None or (isinstance(tensor, FakeTensor) and tensor.dtype == input.dtype
                               and tuple(tensor.shape) == tuple(normalized_shape)
-                              and tensor.is_contiguous())
+                              and _contiguous(tensor))
 
 
 def _layer_norm(input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any,
@@ -135,7 +157,7 @@ def _layer_norm_backward(grad_out: Any, input: Any, normalized_shape: Sequence[i
 
 def _group_norm(input: Any, weight: Any, bias: Any, n: int, channels: int, hxw: int,
                 groups: int, eps: float) -> Any:
-    if not _dense(input) or not input.is_contiguous() or input.dim() < 2 or \
+    if not _contiguous(input) or not _dense(input) or input.dim() < 2 or \
             input.shape[0] != n or input.shape[1] != channels:
         return None
     if not all(_vector(t, channels, input.dtype) for t in (weight, bias)):
@@ -146,7 +168,7 @@ def _group_norm(input: Any, weight: Any, bias: Any, n: int, channels: int, hxw: 
 def _group_norm_backward(grad_out: Any, input: Any, mean: Any, rstd: Any, weight: Any, n: int,
                          channels: int, hxw: int, groups: int,
                          output_mask: Sequence[bool]) -> Any:
-    if not _dense(input) or not input.is_contiguous() or not _same_layout(input, grad_out) \
+    if not _contiguous(input) or not _dense(input) or not _same_layout(input, grad_out) \
             or input.dim() < 2 or input.shape[0] != n or input.shape[1] != channels:
         return None
     if not _vector(weight, channels, input.dtype):
@@ -156,13 +178,8 @@ def _group_norm_backward(grad_out: Any, input: Any, mean: Any, rstd: Any, weight
             _empty((channels,), input) if output_mask[2] else None)
 
 
-def _view(input: Any, size: Sequence[int]) -> Any:
-    """A view of a contiguous tensor: the same storage, contiguous strides for the new shape
-    (``as_strided`` has a C++ meta kernel; ``view`` on a fake tensor runs torch's Python
-    reference for every new shape)."""
-    if not isinstance(input, FakeTensor) or not input.is_contiguous() or input.numel() == 0 \
-            or any(n == 1 for n in input.shape):
-        return None
+def _view_size(numel: int, size: Sequence[int]) -> list[int] | None:
+    """``size`` with its -1 filled in, or None where it does not hold ``numel`` elements."""
     shape = list(size)
     if shape.count(-1) > 1 or any(n < -1 for n in shape):
         return None
@@ -171,16 +188,82 @@ def _view(input: Any, size: Sequence[int]) -> Any:
         if n != -1:
             known *= n
     if -1 in shape:
-        if known == 0 or input.numel() % known:
+        if known == 0 or numel % known:
             return None
-        shape[shape.index(-1)] = input.numel() // known
-    elif known != input.numel():
+        shape[shape.index(-1)] = numel // known
+    elif known != numel:
         return None
-    if any(n <= 1 for n in shape):
+    return shape
+
+
+# NOTE [ The strides of a view ]
+# A view needs no copy when each run of its dimensions falls inside a block of the input that
+# is evenly strided in memory. Walking the input from its innermost dimension out, a block
+# ends before a dimension whose stride is not the block's element count times the block's
+# innermost stride; a dimension of size 1 never ends one (its stride is never used to reach
+# an element). The view's dimensions are then dealt out to the blocks from the innermost:
+# each takes the block's innermost stride times the elements of the view's dimensions dealt
+# to the same block before it, and a dimension of size 1 goes to the block being dealt to,
+# so the outermost ones go to the outermost block. Where a block's elements do not match a
+# run of the view's dimensions exactly, the view would need a copy and the op raises; the
+# rule leaves that to the op. This is the rule torch's C++ view follows, so the rule's
+# strides equal the real op's on any layout. Fake tensors run torch's Python reference
+# instead, which agrees except on the size-1 dimensions of an input whose own size-1
+# dimensions are not packed (:func:`_packed_ones`); those the rule leaves to the op, so that
+# a profile is the same with the rule or without. tests/test_shape_rules.py draws layouts,
+# sizes of 1 with odd strides and storage offsets to check the rule against the op, fake and
+# real.
+def _view_strides(shape: Sequence[int], strides: Sequence[int], size: Sequence[int]
+                  ) -> list[int] | None:
+    """The strides of a view of ``size`` of a tensor laid out as (``shape``, ``strides``), or
+    None where it needs a copy (NOTE [ The strides of a view ])."""
+    blocks: list[tuple[int, int]] = []  # (elements, innermost stride), innermost block first
+    elements, base = 1, strides[-1]
+    for d in range(len(shape) - 1, -1, -1):
+        elements *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and strides[d - 1] != elements * base):
+            blocks.append((elements, base))
+            if d > 0:
+                elements, base = 1, strides[d - 1]
+    out = [0] * len(size)
+    v = len(size) - 1
+    for elements, base in blocks:
+        dealt = 1
+        while v >= 0 and (dealt < elements or size[v] == 1):
+            out[v] = dealt * base
+            dealt *= size[v]
+            v -= 1
+        if dealt != elements:
+            return None
+    return out if v < 0 else None
+
+
+def _packed_ones(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether each dimension of size 1 has the stride it would have packed against the
+    dimension inside it (1 for the innermost). torch's Python reference for ``view``, which
+    fake tensors run, gives other strides than the C++ op to the size-1 dimensions of a view
+    of any other layout; the rule claims only the layouts where both agree."""
+    for d, n in enumerate(shape):
+        if n == 1 and strides[d] != (1 if d == len(shape) - 1 else strides[d + 1] * shape[d + 1]):
+            return False
+    return True
+
+
+def _view(input: Any, size: Sequence[int]) -> Any:
+    """The view as ``as_strided`` on the same storage, with the strides torch's view gives
+    (``as_strided`` has a C++ meta kernel; ``view`` on a fake tensor runs torch's Python
+    reference for every new shape)."""
+    if not isinstance(input, FakeTensor) or input.dim() == 0 or input.numel() == 0 \
+            or len(size) == 0:
         return None
-    strides = [1] * len(shape)
-    for k in range(len(shape) - 2, -1, -1):
-        strides[k] = strides[k + 1] * shape[k + 1]
+    shape = _view_size(input.numel(), size)
+    if shape is None:
+        return None
+    if not _packed_ones(input.shape, input.stride()):
+        return None
+    strides = _view_strides(input.shape, input.stride(), shape)
+    if strides is None:
+        return None
     return input.as_strided(shape, strides, input.storage_offset())
 
 

@@ -9,8 +9,10 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import flop_registry
 
@@ -55,11 +57,16 @@ def _layout(shape: Sequence[int], layout: str, dtype: torch.dtype) -> torch.Tens
         return torch.empty(shape[1], shape[0], *shape[2:], dtype=dtype).transpose(0, 1)
     if layout == "strided":
         return torch.empty(*shape[:-1], shape[-1] * 2, dtype=dtype)[..., ::2]
+    if layout == "odd_ones":
+        # Contiguous to is_contiguous(), which ignores the stride of a size-1 dimension; a
+        # kernel's output copies that stride, so a rule must not claim it as contiguous.
+        return t.as_strided(shape, [7 if n == 1 else st for n, st in zip(shape, t.stride())])
     return t
 
 
-SHAPES = [(2, 3), (4, 3, 5), (2, 3, 4, 4), (2, 1, 1, 1), (1, 5, 1, 3), (2, 3, 2, 2, 2)]
-LAYOUTS = ["contiguous", "channels_last", "transposed", "strided"]
+SHAPES = [(2, 3), (4, 3, 5), (2, 3, 4, 4), (2, 1, 1, 1), (1, 5, 1, 3), (2, 3, 2, 2, 2),
+          (2, 4, 1, 1), (3, 1, 4), (1, 4, 3)]
+LAYOUTS = ["contiguous", "channels_last", "transposed", "strided", "odd_ones"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
 
@@ -214,8 +221,78 @@ def test_view(shape: tuple[int, ...], size: tuple[int, ...], layout: str) -> Non
         with FakeTensorMode():
             assert SHAPE_RULES[aten.view.default](*args()) is None
         return
-    if layout != "transposed" and 1 not in shape and 1 not in size and 0 not in shape:
+    if layout != "transposed" and 0 not in shape:
         assert claimed
+
+
+def _strided(shape: Sequence[int], order: Sequence[int], gaps: Sequence[int],
+             ones: Sequence[int | None], offset: int) -> torch.Tensor:
+    """A tensor of ``shape`` whose dimensions lie in memory in ``order`` (innermost first),
+    each ``gaps[d]`` times as far apart as packing needs, a dimension of size 1 at stride
+    ``ones[d]`` where that is not None, starting ``offset`` elements into its storage."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in order:
+        strides[d] = step
+        step *= shape[d] * gaps[d]
+    strides = [o if n == 1 and o is not None else st for n, st, o in zip(shape, strides, ones)]
+    span = offset + sum((n - 1) * st for n, st in zip(shape, strides)) + 1
+    return torch.empty(span).as_strided(shape, strides, offset)
+
+
+def _view_meta(view: Callable[[], torch.Tensor]) -> Any:
+    try:
+        out = view()
+    except (RuntimeError, ValueError):  # needs a copy: the op refuses
+        return "refused"
+    return tuple(out.shape), out.stride(), out.storage_offset()
+
+
+@hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+@hypothesis.given(data=st.data())
+def test_view_strides_equal_the_op_on_any_layout(data: st.DataObject) -> None:
+    """NOTE [ The strides of a view ]: where the rule answers, it gives the strides of the
+    C++ op on real tensors and of the op on fake tensors; where the op needs a copy, the rule
+    leaves it to the op; where the input's size-1 dimensions are packed, it answers."""
+    dims = data.draw(st.integers(1, 5))
+    shape = data.draw(st.lists(st.sampled_from([1, 1, 2, 3, 4]), min_size=dims, max_size=dims))
+    order = data.draw(st.permutations(range(dims)))
+    gaps = data.draw(st.lists(st.sampled_from([1, 1, 1, 2]), min_size=dims, max_size=dims))
+    ones = data.draw(st.lists(st.sampled_from([None, None, 1, 2, 5, 7]), min_size=dims,
+                              max_size=dims))
+    offset = data.draw(st.sampled_from([0, 3]))
+    numel = 1
+    for n in shape:
+        numel *= n
+    primes = []
+    for p in (2, 3):
+        while numel % p == 0:
+            primes.append(p)
+            numel //= p
+    # Each prime factor goes to one of the view's dimensions; dimensions given none, and
+    # those inserted, have size 1.
+    owner = data.draw(st.lists(st.integers(0, 3), min_size=len(primes), max_size=len(primes)))
+    size = [1] * (max(owner, default=0) + 1)
+    for p, d in zip(primes, owner):
+        size[d] *= p
+    for at in data.draw(st.lists(st.integers(0, len(size)), max_size=2)):
+        size.insert(at, 1)
+    if data.draw(st.booleans()):
+        size[data.draw(st.integers(0, len(size) - 1))] = -1
+
+    real = _view_meta(lambda: _strided(shape, order, gaps, ones, offset).view(size))
+    with FakeTensorMode():
+        x = _strided(shape, order, gaps, ones, offset)
+        by_rule = SHAPE_RULES[aten.view.default](x, list(size))
+        fake = _view_meta(lambda: x.view(size))
+    if by_rule is None:
+        packed = all(n != 1 or st_ == (1 if d == dims - 1 else x.stride()[d + 1] * shape[d + 1])
+                     for d, (n, st_) in enumerate(zip(shape, x.stride())))
+        assert real == "refused" or not packed, (shape, x.stride(), size)
+        return
+    ruled = (tuple(by_rule.shape), by_rule.stride(), by_rule.storage_offset())
+    assert ruled == real == fake, (shape, x.stride(), size)
+    assert by_rule.untyped_storage().nbytes() == x.untyped_storage().nbytes()
 
 
 def test_device() -> None:
