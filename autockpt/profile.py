@@ -29,18 +29,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.errors import InvalidArgumentError
 from autockpt.capture import has_hooks
-from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, SavedTensors, flop_counter,
+from autockpt.instrument import (FlopTally, LiveStorages, Op, OpObserver, OpWatch, SavedTensors,
                                  map_tensors, run_with_state, storage_key, tensors, watch_saved)
 from autockpt.loss import LossFn, call_loss, inner_loss
 from autockpt.shape_rules import SHAPE_RULES
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
 from autockpt.trace import TracedModel
 
-__all__ = ["ProfileShare", "profile", "describe_inputs", "flop_counter"]
+__all__ = ["ProfileShare", "profile", "describe_inputs"]
 
 
 class _WorkingSet(OpObserver):
@@ -430,15 +429,15 @@ class _ProfileRunner(fx.Interpreter):
         self._storage_index: dict[int, int] = {}
         self._value_storages: dict[fx.Node, list[int]] = {}
         self._saved_now: list[torch.Tensor] = []
-        self._counter = flop_counter()
+        self._counter = FlopTally()
         self._watcher = _WorkingSet(old_keys=set(param_keys) | set(input_keys))
 
     def profile_graph(self, *values_in: Any) -> None:
         """One run of the graph on the forward's (fake) parameters, every node measured (from
         the resumed node on, after :meth:`resume`)."""
-        watch = OpWatch(self._watcher, _SHAPE_RULES)
+        watch = OpWatch(self._watcher, _SHAPE_RULES, flops=self._counter)
         try:
-            with self._counter, watch, watch_saved(self._pack, self._saved):
+            with watch, watch_saved(self._pack, self._saved):
                 self.run(*values_in, initial_env=self._initial_env,
                          enable_io_processing=False)
         finally:
@@ -533,7 +532,7 @@ class _ProfileRunner(fx.Interpreter):
         if node.op == "output":
             index = self._loss_node(node, index, position, counter, watcher, saved_now, own,
                                     storage_index, value_storages)
-        flops_before = counter.get_total_flops()
+        flops_before = counter.total
         watcher.reset()
         saved_now.clear()
         input_nodes = node.all_input_nodes if node.op != "output" else []
@@ -543,7 +542,7 @@ class _ProfileRunner(fx.Interpreter):
         # See NOTE [ One forward for the node and its probe ].
         ready = None if cached else self._evaluate_on_leaves(node, ordered_inputs)
         if ready is None:  # forget whatever a failed try on leaves ran
-            flops_before = counter.get_total_flops()
+            flops_before = counter.total
             watcher.reset()
             saved_now.clear()
         if ready is not None:
@@ -584,7 +583,7 @@ class _ProfileRunner(fx.Interpreter):
             }
         )
         work_bytes = watcher.peak_bytes
-        flops = int(counter.get_total_flops() - flops_before)
+        flops = int(counter.total - flops_before)
         watcher.old_keys.update(storage_key(t) for t in tensors(value))
         watcher.old_keys.update(storage_key(t) for t in saved_now)
         random = watcher.random  # before the probe resets the watcher
@@ -612,8 +611,7 @@ class _ProfileRunner(fx.Interpreter):
         if cached:
             backward, accumulate = self._probes[probe_key]
         else:
-            with _modules_untracked(counter):
-                backward, accumulate = self._probe(node, ordered_inputs, ready)
+            backward, accumulate = self._probe(node, ordered_inputs, ready)
             if probe_key is not None:
                 self._probes[probe_key] = (backward, accumulate)
         for i in input_nodes:
@@ -689,8 +687,7 @@ class _ProfileRunner(fx.Interpreter):
         originals = {i: env[i] for i in substituted}
         env.update(substituted)
         try:
-            with _modules_untracked(self._counter):
-                value = self.evaluate(node)
+            value = self.evaluate(node)
         except Exception:  # noqa: BLE001 - the usual evaluation says what fails, and how
             return None
         finally:
@@ -736,7 +733,7 @@ class _ProfileRunner(fx.Interpreter):
         return (probed[0], probed[1]), probed[0]
 
     def _loss_node(self, node: fx.Node, index: int, position: dict[fx.Node, int],
-                   counter: FlopCounterMode, watcher: _WorkingSet,
+                   counter: FlopTally, watcher: _WorkingSet,
                    saved_now: list[torch.Tensor], own: Any, storage_index: dict[int, int],
                    value_storages: dict[fx.Node, list[int]]) -> int:
         """Add the loss node at ``index`` (NOTE [ The loss node ]); return the output node's
@@ -755,7 +752,7 @@ class _ProfileRunner(fx.Interpreter):
                                    own_loss)
 
     def _loss_stat(self, node: fx.Node, index: int, position: dict[fx.Node, int],
-                   counter: FlopCounterMode, watcher: _WorkingSet,
+                   counter: FlopTally, watcher: _WorkingSet,
                    saved_now: list[torch.Tensor], own: Any, storage_index: dict[int, int],
                    value_storages: dict[fx.Node, list[int]], producers: list[fx.Node],
                    structure: Any, output: Any, own_loss: torch.Tensor | None) -> int:
@@ -790,16 +787,15 @@ class _ProfileRunner(fx.Interpreter):
             fn = self.loss_fn
             watcher.reset()
             saved_now.clear()
-            before = counter.get_total_flops()
+            before = counter.total
             value = call_loss(fn, output, "the model")
-            flops = int(counter.get_total_flops() - before)
+            flops = int(counter.total - before)
             work = watcher.peak_bytes
             random = watcher.random
             watcher.old_keys.update(storage_key(t) for t in [value, *saved_now])
             saved = list(saved_now)
-            with _modules_untracked(counter):
-                backward = _probe_backward(self, node, inputs, storage_index, watcher,
-                                           saved_now, run=lambda: fn(structure()))
+            backward = _probe_backward(self, node, inputs, storage_index, watcher,
+                                       saved_now, run=lambda: fn(structure()))
             key = storage_key(value)
             is_new = key not in storage_index
             slot = own(key, value, index)
@@ -965,21 +961,6 @@ def _grad_size(value: Any) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
-
-
-@contextlib.contextmanager
-def _modules_untracked(counter: FlopCounterMode) -> Iterator[None]:
-    """Lift the flop counter's module hooks for a while: they put backward hooks on module
-    inputs that ``torch.autograd.grad`` refuses (and nothing is counted meanwhile anyway)."""
-    tracker = getattr(counter, "mod_tracker", None)
-    if tracker is None:
-        yield
-        return
-    tracker.__exit__()
-    try:
-        yield
-    finally:
-        tracker.__enter__()
 
 
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
