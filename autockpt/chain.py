@@ -18,7 +18,9 @@ one of three kinds:
 * *long-lived* (read more than one stage later, like an attention mask, or part of the
   model's output) and saved for backward by some node, or part of the model's output:
   ``Stage.long_lived_bytes`` or ``Stage.output_bytes`` of its producer, held from there on
-  whatever the plan. This is conservative.
+  whatever the plan, except where one checkpointed segment holds its producer and all its
+  readers (a :class:`LongLived` record; NOTE [ Long-lived storages inside a segment ] in
+  :mod:`autockpt.memory_model`). This is conservative.
 * *passing*: read more than one stage later and saved by no node (a concatenated skip
   tensor): a :class:`Passing` record, alive in forward until its last reader and held for
   backward only by the checkpointed segments that read it.
@@ -51,7 +53,8 @@ from dataclasses import dataclass
 
 from autockpt.stats import LOSS_OP, NodeStat, Profile, node_cost
 
-__all__ = ["ForwardPeaks", "Stage", "Cut", "Passing", "Chain", "MAX_STAGES", "build_chain"]
+__all__ = ["ForwardPeaks", "Stage", "Cut", "Passing", "LongLived", "Chain", "MAX_STAGES",
+           "build_chain"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,22 @@ class Passing:
 
 
 @dataclass(frozen=True)
+class LongLived:
+    """A long-lived storage that is not the model's output: saved for backward by some node
+    and read or saved more than one stage after the stage that makes it (NOTE [ Long-lived
+    storages inside a segment ] in :mod:`autockpt.memory_model`)."""
+
+    producer: int
+    """The stage that makes it."""
+    first_saver: int
+    """The first stage that saves it for backward (its producer's stage or later)."""
+    reach: int
+    """The last stage that reads or saves it."""
+    size_bytes: int
+    """Its size."""
+
+
+@dataclass(frozen=True)
 class Chain:
     """A graph restated as a chain of stages, in plain numbers.
 
@@ -191,6 +210,8 @@ class Chain:
     """The cuts, in graph order: ``cuts[c]`` lies before ``stages[c]``."""
     passing: tuple[Passing, ...] = ()
     """The passing storages, by producer."""
+    long_lived: tuple[LongLived, ...] = ()
+    """The long-lived storages that are not the model's output, by producer."""
 
 
 # --------------------------------------------------------------------------- building
@@ -490,6 +511,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     passing_alive = [0] * count
     made = [0] * count
     passing: list[Passing] = []
+    lasting: list[LongLived] = []
     # Per cut, the bytes of Cut's fields ``saved_by_*``.
     by_producer, by_reader, by_both, by_neither = ([0] * (count + 1) for _ in range(4))
     # Per stage, (first node that saves it, bytes) of its internal saved storages.
@@ -522,6 +544,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                 outputs[p] += size
             else:
                 long_lived[p] += size
+                lasting.append(LongLived(producer=p, first_saver=savers[0], reach=reach,
+                                         size_bytes=size))
             if savers:
                 long_lived_saved[p] += size
             span = (st.producer, spans[p][1] - 1, size)
@@ -596,7 +620,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                                 saved_by_both_bytes=by_both[c],
                                 saved_by_neither_bytes=by_neither[c])
                             for c in range(count + 1)),
-                 passing=tuple(passing))
+                 passing=tuple(passing), long_lived=tuple(lasting))
 
 
 def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,

@@ -16,7 +16,9 @@ backward:
 * crossing from stage ``c-1`` to stage ``c``: iff ``c-1`` is not checkpointed and saves it,
   or ``c`` is not checkpointed and saves it, or ``c`` starts a checkpointed segment
   (checkpoint keeps its inputs for the recompute);
-* long-lived: from its producer on, whatever the plan. This is conservative.
+* long-lived: from its producer on, whatever the plan, unless one checkpointed segment holds
+  its producer and every stage that reads or saves it (NOTE [ Long-lived storages inside a
+  segment ]). This is conservative.
 
 Backward runs the stages in reverse and frees a held storage once the earliest stage holding it
 is done, so while backward is in stage ``t`` the storages held by stages ``<= t`` are alive:
@@ -91,19 +93,6 @@ def tree_depth(tree: Tree) -> int:
     return max((d + 1 for _, _, d in flatten_tree(tree)), default=0)
 
 
-def _running_max(values: Sequence[int]) -> list[list[int]]:
-    """``out[a][k]``: the largest of ``values[a : a + k + 1]``."""
-    out = []
-    for a in range(len(values)):
-        row = []
-        best = values[a]
-        for v in values[a:]:
-            best = max(best, v)
-            row.append(best)
-        out.append(row)
-    return out
-
-
 def _prefix(values: Sequence[int]) -> list[int]:
     """``out[t]``: the sum of ``values[:t]``."""
     out = [0]
@@ -150,17 +139,31 @@ class MemoryModel:
         # ``_segment_offset[a]``, so the largest over a segment is a range maximum.
         self._segment_offset = [self._saved[a] + self._cut_saved[a + 1]
                                 + self._long_lived_saved[a] for a in range(self.count)]
+        # In backward, the recomputed copy of a long-lived storage lives from its first saver
+        # on (NOTE [ Long-lived storages inside a segment ]): those with a record are counted
+        # by ``_copies``, the rest (the model's outputs) by producer.
+        recorded = [0] * self.count
+        for x in chain.long_lived:
+            recorded[x.producer] += x.size_bytes
+        by_producer = _prefix([max(0, s.long_lived_saved_bytes - recorded[t])
+                               for t, s in enumerate(stages)])
+        self._backward_offset = [self._saved[a] + self._cut_saved[a + 1] + by_producer[a]
+                                 for a in range(self.count)]
         backward = [self._saved[t] + self._cut_saved[t + 1] + cuts[t + 1].producer_saved_bytes
-                    + self._long_lived_saved[t + 1] + stages[t].backward_peak_bytes
+                    + by_producer[t + 1] + stages[t].backward_peak_bytes
                     for t in range(self.count)]
         # Recomputing stage t: what stages a..t-1 saved, what crosses into t, t's sweep.
         recompute = [self._saved[t] + self._cut_saved[t] + cuts[t].producer_saved_bytes
                      + self._long_lived_saved[t] + stages[t].forward.plain_received_bytes
                      for t in range(self.count)]
         self._passing_in, self._passing_done, self._passing_before = _passing_tables(chain)
+        self._inside, self._escaping_floor = _long_lived_tables(chain, self._long_lived)
         self._passing_made = _prefix([s.passing_made_bytes for s in stages])
         self._backward = backward
-        self._backward_max = _running_max(backward)
+        self._copies = _copies_table(chain)
+        self._backward_max = [list(accumulate((backward[a + k] + copies[k]
+                                               for k in range(self.count - a)), max))
+                              for a, copies in enumerate(self._copies)]
         # A recompute from ``a`` makes again the passing storages of stages ``a..t-1`` that
         # ``t`` or later stages read; those made before ``a`` are the segment's inputs.
         self._recompute_max = [
@@ -212,10 +215,20 @@ class MemoryModel:
         ``inputs`` is what ``a`` newly holds of the tensors crossing into it
         (:meth:`segment_inputs`)."""
         chain = self.chain
-        after = (held + inputs + self._long_lived[b + 1] - self._long_lived[a]
-                 + self._passing_in[a][b - a])
-        held_now = after + self.model_output_bytes
-        lower = held_now + self._backward_max[a][b - a] - self._segment_offset[a]
+        # NOTE [ Long-lived storages inside a segment ]: those made in a..b and read only
+        # there die in its forward; the others are held after it, and (non-reentrant) are
+        # dead again by the time its own recompute and backward run. The lower bound counts
+        # the fewest that escape any longer segment, so that it grows with ``b``.
+        escaping_long_lived = (self._long_lived[b + 1] - self._long_lived[a]
+                               - self._inside[a][b - a])
+        floor = self._escaping_floor[a][b - a] - escaping_long_lived
+        after = held + inputs + escaping_long_lived + self._passing_in[a][b - a]
+        if self.reentrant:
+            held_now = after + self.model_output_bytes
+            lower = held_now + floor + self._backward_max[a][b - a] - self._backward_offset[a]
+        else:
+            held_now = after - escaping_long_lived + self.model_output_bytes
+            lower = held_now + self._backward_max[a][b - a] - self._backward_offset[a]
         recompute = self._recompute_max[a][b - a]
         if not self.reentrant:
             recompute = max(self._recompute_max[a][b - a - 1] if b > a else 0,
@@ -232,21 +245,22 @@ class MemoryModel:
         # extra; before it, all are. At the first stage the inputs' gradients are made while
         # all of that is still alive.
         cuts = chain.cuts
-        inner = (self._long_lived[b + 1] - self._long_lived[a] + self._outputs[b + 1]
-                 - self._outputs[a] + self._passing_made[b + 1] - self._passing_made[a])
+        inner = (escaping_long_lived + self._outputs[b + 1] - self._outputs[a]
+                 + self._passing_made[b + 1] - self._passing_made[a])
         escaping = inner + cuts[b + 1].crossing_bytes
         input_grads = cuts[a].crossing_bytes
-        base = held_now - self._segment_offset[a]
+        base = held_now - self._backward_offset[a]
         # Even what the last stage saves of its outputs counts again: ``backward`` frees it
         # once its saver has run, the frame keeps it to the end.
-        last = base + self._backward[b] + escaping + inner + (input_grads if a == b else 0)
+        last = (base + self._backward[b] + self._copies[a][b - a] + escaping + inner
+                + (input_grads if a == b else 0))
         before = (base + self._backward_max[a][b - a - 1] + 2 * escaping + input_grads
                   if b > a else 0)
         # The recompute makes the outputs crossing out of the last stage in that stage's
         # sweep, with their gradients among those entering it; the long-lived and passing
         # ones made earlier stay alive beside it.
         recompute_peak += inner
-        return max(last, before, recompute_peak), after, lower + inner
+        return max(last, before, recompute_peak), after, lower + inner + floor
 
     def segments_from(self, a: int, follows_segment: bool
                       ) -> Iterator[tuple[int, int, int, int, int]]:
@@ -380,6 +394,72 @@ def _passing_tables(chain: Chain) -> tuple[list[list[int]], list[list[int]], lis
                 row[k] = running
     return reads, done, before
 
+
+def _copies_table(chain: Chain) -> list[list[int]]:
+    """Per segment start ``a`` and offset ``k``, the bytes of the long-lived storages made in
+    ``a..a+k`` whose first saver lies in ``a..a+k``: the recomputed copies alive while
+    backward runs stage ``a+k`` of a segment from ``a`` (NOTE [ Long-lived storages inside a
+    segment ])."""
+    count = len(chain.stages)
+    if not chain.long_lived:
+        return [[0] * (count - a) for a in range(count)]
+    # at[p][s]: bytes made at stage p first saved at stage s; column sums over p >= a.
+    at = [[0] * count for _ in range(count)]
+    for x in chain.long_lived:
+        at[x.producer][x.first_saver] += x.size_bytes
+    from_a = [0] * count
+    table: list[list[int]] = [[] for _ in range(count)]
+    for a in range(count - 1, -1, -1):
+        from_a = [total + made for total, made in zip(from_a, at[a])]
+        table[a] = list(accumulate(from_a[a:]))
+    return table
+
+
+def _long_lived_tables(chain: Chain, made: Sequence[int]
+                       ) -> tuple[list[list[int]], list[list[int]]]:
+    """Per segment start ``a`` and offset ``k``, in bytes: the long-lived storages made in
+    ``a..a+k`` and neither read nor saved after it, and the fewest of those made from ``a``
+    on that escape a segment ``a..a+j`` for any ``j >= k``. See NOTE [ Long-lived storages
+    inside a segment ]; ``made`` is the prefix sum of ``Stage.long_lived_bytes``."""
+    count = len(chain.stages)
+    inside = [[0] * (count - a) for a in range(count)]
+    for x in chain.long_lived:
+        for a in range(x.producer + 1):
+            inside[a][x.reach - a] += x.size_bytes
+    floors = []
+    for a, row in enumerate(inside):
+        running = 0
+        for k in range(len(row)):
+            running += row[k]
+            row[k] = running
+        escaping = [made[a + k + 1] - made[a] - row[k] for k in range(len(row))]
+        floors.append(list(accumulate(reversed(escaping), min))[::-1])
+    return inside, floors
+
+
+# NOTE [ Long-lived storages inside a segment ]
+# A long-lived storage (saved by some node, read or saved more than one stage after its
+# producer: a skip tensor a later layer saves, a mask every attention block reads) is held from
+# its producer to the end of backward in the model, whatever the plan. That is wrong twice
+# when its producer lies in a checkpointed segment ``a..b``, whose forward saves nothing:
+#
+# * if every stage that reads or saves it lies in ``a..b`` too, it dies at its last reader in
+#   forward: nothing holds it after the segment (``_inside``);
+# * otherwise it is held after the segment, by later stages only, and backward reaches the
+#   segment after all of them (the autograd engine runs the ready node made last first), so
+#   by the time a non-reentrant segment recomputes it, it is dead: only the copy the
+#   recompute makes counts. In reentrant mode it is still counted there: on the random
+#   graphs, dropping it there fell 3.5% short of the measured peak where a later reentrant
+#   segment read it;
+# * that copy is kept only if a stage of the segment saves it, and in backward it lives from
+#   the first stage that saves it on (``_copies``), not from its producer.
+#
+# So a segment holds after it the long-lived storages it makes that escape it, and (non-
+# reentrant) none of those it makes while its own recompute and backward run; in reentrant
+# mode the escaping ones also stay in the frame as recomputed outputs. What escapes is not
+# monotone in ``b`` (a storage escapes ``a..b`` and is inside ``a..b+1``); the lower bound the
+# dynamic programme prunes with must grow with ``b``, so it counts the fewest escaping bytes
+# of any segment ``a..b'`` with ``b' >= b`` (``_escaping_floor``).
 
 # NOTE [ Passing storages ]
 # A storage that no node saves, read more than one stage after its producer (a DenseNet layer's

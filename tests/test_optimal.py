@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from autockpt.chain import Chain, Cut, ForwardPeaks, Stage, build_chain
+from autockpt.chain import Chain, Cut, ForwardPeaks, LongLived, Stage, build_chain
 from autockpt.memory_model import Ranges, estimate_peak, recompute_cost
 from autockpt.optimal import optimal_ranges
 from autockpt.profile import profile
@@ -67,6 +67,12 @@ def random_chain(rng: random.Random, count: int) -> Chain:
     plain_in = tuple(f + rng.randrange(0, x + 1) for f, x in zip(forward_plain, crossing))
     ckpt_in = tuple(f + rng.randrange(0, x + 1) for f, x in zip(forward_ckpt, crossing))
     stop_in = tuple(rng.randrange(0, f + 1) for f in forward_plain)
+    # The long-lived storages, each read up to a stage of its own: a segment that holds the
+    # producer and that stage frees it (NOTE [ Long-lived storages inside a segment ]).
+    reach = [rng.randrange(t + 2, count) if t + 2 < count else 0 for t in range(count)]
+    lasting = tuple(LongLived(producer=t, first_saver=rng.randrange(t, reach[t] + 1),
+                              reach=reach[t], size_bytes=long_lived[t])
+                    for t in range(count) if long_lived[t] and t + 2 < count)
     return Chain(
         stages=tuple(
             Stage(start=t, end=t + 1, cost=cost, flops=0, carries_grad=grad,
@@ -78,6 +84,7 @@ def random_chain(rng: random.Random, count: int) -> Chain:
                   tail_cost=tail)
             for t, (cost, grad, tail) in enumerate(costs)),
         cuts=tuple(Cut(*(c[k] for c in cross)) for k in range(count + 1)),
+        long_lived=lasting,
     )
 
 
