@@ -53,10 +53,10 @@ larger count, so it over-estimates rather than under-estimates
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
 
-from autockpt.chain import Chain
+from autockpt.chain import Chain, LongLived
 
 __all__ = ["Ranges", "Tree", "as_tree", "flatten_tree", "tree_depth", "MemoryModel",
            "estimate_peak", "estimate_tree_peak", "model_of", "segment_cost", "recompute_cost",
@@ -157,10 +157,14 @@ class MemoryModel:
                      + self._long_lived_saved[t] + stages[t].forward.plain_received_bytes
                      for t in range(self.count)]
         self._passing_in, self._passing_done, self._passing_before = _passing_tables(chain)
-        self._inside, self._escaping_floor = _long_lived_tables(chain, self._long_lived)
+        # NOTE [ Long-lived storages inside a segment ]
+        self._inside = _made_from(chain, lambda x: x.reach)
+        self._escaping_floor = _escaping_floor(self._inside, self._long_lived)
         self._passing_made = _prefix([s.passing_made_bytes for s in stages])
         self._backward = backward
-        self._copies = _copies_table(chain)
+        # The recomputed copies alive while backward runs stage ``a+k`` of a segment from
+        # ``a``: those of the long-lived storages made in it and first saved by ``a+k``.
+        self._copies = _made_from(chain, lambda x: x.first_saver)
         self._backward_max = [list(accumulate((backward[a + k] + copies[k]
                                                for k in range(self.count - a)), max))
                               for a, copies in enumerate(self._copies)]
@@ -221,14 +225,14 @@ class MemoryModel:
         # the fewest that escape any longer segment, so that it grows with ``b``.
         escaping_long_lived = (self._long_lived[b + 1] - self._long_lived[a]
                                - self._inside[a][b - a])
-        floor = self._escaping_floor[a][b - a] - escaping_long_lived
         after = held + inputs + escaping_long_lived + self._passing_in[a][b - a]
+        floor = 0
         if self.reentrant:
+            floor = self._escaping_floor[a][b - a] - escaping_long_lived
             held_now = after + self.model_output_bytes
-            lower = held_now + floor + self._backward_max[a][b - a] - self._backward_offset[a]
         else:
             held_now = after - escaping_long_lived + self.model_output_bytes
-            lower = held_now + self._backward_max[a][b - a] - self._backward_offset[a]
+        lower = held_now + floor + self._backward_max[a][b - a] - self._backward_offset[a]
         recompute = self._recompute_max[a][b - a]
         if not self.reentrant:
             recompute = max(self._recompute_max[a][b - a - 1] if b > a else 0,
@@ -395,19 +399,15 @@ def _passing_tables(chain: Chain) -> tuple[list[list[int]], list[list[int]], lis
     return reads, done, before
 
 
-def _copies_table(chain: Chain) -> list[list[int]]:
+def _made_from(chain: Chain, until: Callable[[LongLived], int]) -> list[list[int]]:
     """Per segment start ``a`` and offset ``k``, the bytes of the long-lived storages made in
-    ``a..a+k`` whose first saver lies in ``a..a+k``: the recomputed copies alive while
-    backward runs stage ``a+k`` of a segment from ``a`` (NOTE [ Long-lived storages inside a
-    segment ])."""
+    ``a..a+k`` whose stage ``until`` lies in ``a..a+k`` too (it is never before the
+    producer)."""
     count = len(chain.stages)
-    if not chain.long_lived:
-        return [[0] * (count - a) for a in range(count)]
-    # at[p][s]: bytes made at stage p first saved at stage s; column sums over p >= a.
-    at = [[0] * count for _ in range(count)]
+    at = [[0] * count for _ in range(count)]  # at[p][s]: made at stage p, ``until`` at s
     for x in chain.long_lived:
-        at[x.producer][x.first_saver] += x.size_bytes
-    from_a = [0] * count
+        at[x.producer][until(x)] += x.size_bytes
+    from_a = [0] * count  # from_a[s]: the bytes made from stage ``a`` on, ``until`` at s
     table: list[list[int]] = [[] for _ in range(count)]
     for a in range(count - 1, -1, -1):
         from_a = [total + made for total, made in zip(from_a, at[a])]
@@ -415,26 +415,13 @@ def _copies_table(chain: Chain) -> list[list[int]]:
     return table
 
 
-def _long_lived_tables(chain: Chain, made: Sequence[int]
-                       ) -> tuple[list[list[int]], list[list[int]]]:
-    """Per segment start ``a`` and offset ``k``, in bytes: the long-lived storages made in
-    ``a..a+k`` and neither read nor saved after it, and the fewest of those made from ``a``
-    on that escape a segment ``a..a+j`` for any ``j >= k``. See NOTE [ Long-lived storages
-    inside a segment ]; ``made`` is the prefix sum of ``Stage.long_lived_bytes``."""
-    count = len(chain.stages)
-    inside = [[0] * (count - a) for a in range(count)]
-    for x in chain.long_lived:
-        for a in range(x.producer + 1):
-            inside[a][x.reach - a] += x.size_bytes
-    floors = []
-    for a, row in enumerate(inside):
-        running = 0
-        for k in range(len(row)):
-            running += row[k]
-            row[k] = running
-        escaping = [made[a + k + 1] - made[a] - row[k] for k in range(len(row))]
-        floors.append(list(accumulate(reversed(escaping), min))[::-1])
-    return inside, floors
+def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[int]]:
+    """Per segment start ``a`` and offset ``k``, the fewest bytes of the long-lived storages
+    made from ``a`` on that escape a segment ``a..a+j``, for any ``j >= k`` (``inside``:
+    :func:`_made_from` by reach; ``made``: the prefix sum of ``Stage.long_lived_bytes``)."""
+    return [list(accumulate(reversed([made[a + k + 1] - made[a] - row[k]
+                                      for k in range(len(row))]), min))[::-1]
+            for a, row in enumerate(inside)]
 
 
 # NOTE [ Long-lived storages inside a segment ]

@@ -121,7 +121,7 @@ def _batch_norm_backward(grad_out: Any, input: Any, weight: Any, running_mean: A
 
 def _normalized(input: Any, normalized_shape: Sequence[int]) -> int:
     """Where the normalised dimensions of a dense contiguous ``input`` start, or -1."""
-    if not _dense(input) or not _contiguous(input):
+    if not _contiguous(input) or input.dtype not in _FLOATS:
         return -1
     axis = input.dim() - len(normalized_shape)
     return axis if axis >= 0 and tuple(input.shape[axis:]) == tuple(normalized_shape) else -1
@@ -157,7 +157,7 @@ def _layer_norm_backward(grad_out: Any, input: Any, normalized_shape: Sequence[i
 
 def _group_norm(input: Any, weight: Any, bias: Any, n: int, channels: int, hxw: int,
                 groups: int, eps: float) -> Any:
-    if not _contiguous(input) or not _dense(input) or input.dim() < 2 or \
+    if not _contiguous(input) or input.dtype not in _FLOATS or input.dim() < 2 or \
             input.shape[0] != n or input.shape[1] != channels:
         return None
     if not all(_vector(t, channels, input.dtype) for t in (weight, bias)):
@@ -168,8 +168,9 @@ def _group_norm(input: Any, weight: Any, bias: Any, n: int, channels: int, hxw: 
 def _group_norm_backward(grad_out: Any, input: Any, mean: Any, rstd: Any, weight: Any, n: int,
                          channels: int, hxw: int, groups: int,
                          output_mask: Sequence[bool]) -> Any:
-    if not _contiguous(input) or not _dense(input) or not _same_layout(input, grad_out) \
-            or input.dim() < 2 or input.shape[0] != n or input.shape[1] != channels:
+    if not _contiguous(input) or input.dtype not in _FLOATS or input.dim() < 2 \
+            or not _same_layout(input, grad_out) or input.shape[0] != n \
+            or input.shape[1] != channels:
         return None
     if not _vector(weight, channels, input.dtype):
         return None
