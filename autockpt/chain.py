@@ -130,6 +130,12 @@ class Stage:
     by this one or a later one (see :class:`Passing`)."""
     passing_made_bytes: int = 0
     """Bytes of the passing storages it makes."""
+    frame_backward_peak_bytes: int = 0
+    """``backward_peak_bytes`` when the gradients of the passing values it makes stay alive
+    after their producers have run backward: as the last stage of a reentrant segment, whose
+    frame keeps the gradients it was handed (NOTE [ Reentrant backward ] in
+    :mod:`autockpt.memory_model`). 0 where unknown: then those gradients are counted
+    whole."""
 
 
 @dataclass(frozen=True)
@@ -188,12 +194,22 @@ class LongLived:
 
     producer: int
     """The stage that makes it."""
-    first_saver: int
-    """The first stage that saves it for backward (its producer's stage or later)."""
-    reach: int
-    """The last stage that reads or saves it."""
+    savers: tuple[int, ...]
+    """The stages that save it for backward, ascending (its producer's stage or later)."""
+    readers: tuple[int, ...]
+    """The stages after its producer's that read it, ascending (every later saver is one)."""
     size_bytes: int
     """Its size."""
+
+    @property
+    def first_saver(self) -> int:
+        """The first stage that saves it."""
+        return self.savers[0]
+
+    @property
+    def reach(self) -> int:
+        """The last stage that reads or saves it."""
+        return max(self.savers[-1], self.readers[-1] if self.readers else self.producer)
 
 
 @dataclass(frozen=True)
@@ -522,6 +538,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     # Tensors crossing into a stage, alive from its start (as if made just before it).
     received_plain: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     received_ckpt: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
+    # Per node, the gradient bytes of the passing value it makes.
+    passing_grads: dict[int, int] = {}
     for st in profile.storages:
         p = stage_of[st.producer]
         users = sorted({stage_of[u] for u in st.users if u < n - 1})
@@ -531,6 +549,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
         end_in_stage = min(last_node, spans[p][1] - 1)
         size = st.size_bytes
         if reach > p + 1 and not st.is_output and not savers:
+            if nodes[st.producer].requires_grad:
+                passing_grads[st.producer] = nodes[st.producer].grad_bytes
             made[p] += size
             for t in range(p + 1, reach + 1):
                 passing_alive[t] += size
@@ -544,7 +564,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                 outputs[p] += size
             else:
                 long_lived[p] += size
-                lasting.append(LongLived(producer=p, first_saver=savers[0], reach=reach,
+                lasting.append(LongLived(producer=p, savers=tuple(savers),
+                                         readers=tuple(u for u in users if u > p),
                                          size_bytes=size))
             if savers:
                 long_lived_saved[p] += size
@@ -584,10 +605,12 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
         saved_spans = sorted(internal_spans[s])
         alive = sum(size for _, size in saved_spans)
         k = len(saved_spans)
-        backward_peak = 0
+        backward_peak = frame_peak = kept = 0
         for u in range(hi - 1, lo - 1, -1):
             if grads_at[u] is not None:
                 backward_peak = max(backward_peak, alive + grads_at[u])
+                frame_peak = max(frame_peak, alive + grads_at[u] + kept)
+            kept += passing_grads.get(u, 0)
             while k and saved_spans[k - 1][0] >= u:
                 k -= 1
                 alive -= saved_spans[k][1]
@@ -612,7 +635,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             long_lived_saved_bytes=long_lived_saved[s], output_bytes=outputs[s],
             grad_entry_bytes=entry[s], backward_peak_bytes=backward_peak, forward=forward,
             tail_cost=tail_cost, tail_flops=tail_flops, passing_bytes=passing_alive[s],
-            passing_made_bytes=made[s],
+            passing_made_bytes=made[s], frame_backward_peak_bytes=frame_peak,
         ))
     return Chain(stages=tuple(stages),
                  cuts=tuple(Cut(saved_by_producer_bytes=by_producer[c],

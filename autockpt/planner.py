@@ -34,7 +34,7 @@ from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
 from autockpt.memory_model import (Ranges, Tree, as_tree, estimate_peak, estimate_tree_peak,
                                    flatten_tree, recompute_cost, tree_depth)
 from autockpt.nested import nested_plans
-from autockpt.optimal import least_peak, optimal_ranges
+from autockpt.optimal import optimal_ranges
 from autockpt.report import format_plan
 from autockpt.stats import LOSS_OP, ChunkedHead, LossStat, NodeStat, Profile
 
@@ -297,18 +297,23 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
     """The least recompute under the budget, exactly, for the memory model of
     :mod:`autockpt.memory_model` (a dynamic programme over the chain); below the least peak of
     single-level plans, nested plans from the rotor programme (NOTE [ Where nesting pays ])."""
-    least_ranges: Ranges = ()
+    # NOTE [ Storages held by the plan ] in autockpt.memory_model: the programme prices a
+    # plan at ``MemoryModel.peak``, the plan's estimate (``estimate_peak``) may be lower. A
+    # budget between the two is met by the programme's least-peak plan when its estimate
+    # fits, and ``min_peak`` is that plan's estimate, so that asking for it succeeds.
+    least = optimal_ranges(chain, None, mode)
+    assert least is not None  # checkpointing nothing is always a choice
+    least_ranges, programme_least = least
+    min_peak = estimate_peak(chain, least_ranges, mode)
     if budget is not None:
-        min_peak = least_peak(chain, mode)
         if budget >= estimate_peak(chain, (), mode):
             return (), min_peak  # met as it is: nothing to search
-        if budget >= min_peak:
+        if budget >= programme_least:
             found = optimal_ranges(chain, budget, mode)
-            return (as_tree(found[0]) if found is not None else None), min_peak
-    else:
-        least = optimal_ranges(chain, None, mode)
-        assert least is not None  # checkpointing nothing is always a choice
-        least_ranges, min_peak = least
+            assert found is not None  # the least-peak plan fits
+            return as_tree(found[0]), min_peak
+        if budget >= min_peak:
+            return as_tree(least_ranges), min_peak
     if not nesting or mode != "non_reentrant":
         return (as_tree(least_ranges) if budget is None else None), min_peak
     found_nested = [item for item in nested_plans(chain, min_peak) if tree_depth(item[2]) > 1]

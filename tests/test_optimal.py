@@ -5,14 +5,16 @@ and at ``budget=None`` its peak equals the least reachable peak."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
-from autockpt.chain import Chain, Cut, ForwardPeaks, LongLived, Stage, build_chain
-from autockpt.memory_model import Ranges, estimate_peak, recompute_cost
+from autockpt.chain import (Chain, Cut, ForwardPeaks, LongLived, Passing, Stage,
+                            build_chain)
+from autockpt.memory_model import Ranges, as_tree, estimate_peak, model_of, recompute_cost
 from autockpt.optimal import optimal_ranges
 from autockpt.profile import profile
 from autockpt.trace import trace
@@ -37,12 +39,27 @@ def all_ranges(chain: Chain) -> Iterator[Ranges]:
 
 def brute_force(chain: Chain, budget: int | None, mode: str) -> tuple[int, int] | None:
     """(least cost, its peak) under the budget, or (least peak, least cost at it)."""
-    scored = [(estimate_peak(chain, r, mode), recompute_cost(chain, r, mode)) for r in all_ranges(chain)]
+    model = model_of(chain, mode)
+    scored = [(model.peak(as_tree(r)), recompute_cost(chain, r, mode))
+              for r in all_ranges(chain)]
     if budget is None:
         peak = min(p for p, _ in scored)
         return min(c for p, c in scored if p == peak), peak
     feasible = [(c, p) for p, c in scored if p <= budget]
     return min(feasible) if feasible else None
+
+
+def _long_lived(rng: random.Random, producer: int, reach: int, size: int) -> LongLived:
+    """A long-lived storage read last at ``reach``, its first saver drawn first (as it was
+    before savers and readers were drawn, so that each seed keeps its chain's other
+    numbers); later savers are readers too."""
+    first = rng.randrange(producer, reach + 1)
+    readers = {reach, *(t for t in range(producer + 1, reach) if rng.random() < 0.3)}
+    if first > producer:
+        readers.add(first)
+    savers = {first, *(t for t in readers if t > first and rng.random() < 0.3)}
+    return LongLived(producer=producer, savers=tuple(sorted(savers)),
+                     readers=tuple(sorted(readers)), size_bytes=size)
 
 
 def random_chain(rng: random.Random, count: int) -> Chain:
@@ -70,8 +87,7 @@ def random_chain(rng: random.Random, count: int) -> Chain:
     # The long-lived storages, each read up to a stage of its own: a segment that holds the
     # producer and that stage frees it (NOTE [ Long-lived storages inside a segment ]).
     reach = [rng.randrange(t + 2, count) if t + 2 < count else 0 for t in range(count)]
-    lasting = tuple(LongLived(producer=t, first_saver=rng.randrange(t, reach[t] + 1),
-                              reach=reach[t], size_bytes=long_lived[t])
+    lasting = tuple(_long_lived(rng, t, reach[t], long_lived[t])
                     for t in range(count) if long_lived[t] and t + 2 < count)
     return Chain(
         stages=tuple(
@@ -93,13 +109,14 @@ def random_chain(rng: random.Random, count: int) -> Chain:
 def test_optimal_matches_brute_force_on_random_chains(seed: int, mode: str) -> None:
     rng = random.Random(seed)
     chain = random_chain(rng, count=rng.randrange(3, 10))
-    baseline = estimate_peak(chain, (), mode)
+    model = model_of(chain, mode)
+    baseline = model.peak(())
     least = brute_force(chain, None, mode)
     assert least is not None
     found = optimal_ranges(chain, None, mode)
     assert found is not None
     ranges, peak = found
-    assert peak == least[1] == estimate_peak(chain, ranges, mode)
+    assert peak == least[1] == model.peak(as_tree(ranges))
     assert recompute_cost(chain, ranges, mode) == least[0]
     for budget in sorted({least[1], baseline, (least[1] + baseline) // 2,
                           rng.randrange(least[1], baseline + 1), least[1] - 1}):
@@ -112,6 +129,44 @@ def test_optimal_matches_brute_force_on_random_chains(seed: int, mode: str) -> N
         ranges, peak = result
         assert peak <= budget
         assert recompute_cost(chain, ranges, mode) == expected[0]
+
+
+def _with_passing(rng: random.Random, chain: Chain) -> Chain:
+    """``chain`` with passing storages drawn for it: each read by a few later stages."""
+    count = len(chain.stages)
+    passing = []
+    for p in range(count - 2):
+        if rng.random() < 0.5:
+            readers = sorted({rng.randrange(p + 2, count),
+                              *(t for t in range(p + 1, count) if rng.random() < 0.3)})
+            passing.append(Passing(producer=p, readers=tuple(readers),
+                                   size_bytes=rng.randrange(1, 60)))
+    return replace(chain, passing=tuple(passing))
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_plan_estimate_never_exceeds_the_programme_price(mode: str) -> None:
+    """NOTE [ Storages held by the plan ]: the plan's estimate counts the long-lived and
+    passing storages only where the plan holds them, so it is never above what the
+    programme prices the plan at; it is below it on most chains (else the test proves
+    nothing), and it is the same whatever the plan where no storage is long-lived or
+    passing."""
+    lower = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        chain = _with_passing(rng, random_chain(rng, count=rng.randrange(4, 10)))
+        model = model_of(chain, mode)
+        below = False
+        for ranges in all_ranges(chain):
+            estimate, price = estimate_peak(chain, ranges, mode), model.peak(as_tree(ranges))
+            assert estimate <= price, (seed, ranges)
+            below = below or estimate < price
+        lower += below
+        plain = replace(chain, long_lived=(), passing=())
+        plain_model = model_of(plain, mode)
+        for ranges in all_ranges(plain):
+            assert estimate_peak(plain, ranges, mode) == plain_model.peak(as_tree(ranges))
+    assert lower >= 20
 
 
 def _profiled_chain(model: nn.Module, x: torch.Tensor) -> Chain:
@@ -132,7 +187,7 @@ def test_optimal_matches_brute_force_on_profiled_models(mode: str) -> None:
     for model, x in ((mlp, torch.randn(16, 64)), (convs, torch.randn(4, 3, 16, 16))):
         chain = _profiled_chain(model, x)
         assert 3 <= len(chain.stages) <= 12
-        baseline = estimate_peak(chain, (), mode)
+        baseline = model_of(chain, mode).peak(())
         least = brute_force(chain, None, mode)
         assert least is not None
         for budget in (None, least[1], (least[1] + baseline) // 2, baseline):

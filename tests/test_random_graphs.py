@@ -30,7 +30,7 @@ from tests.random_graphs import (  # noqa: E402
 
 ESTIMATE_TOLERANCE = 0.05
 """The estimate may fall this far below the measured peak, no further."""
-OVER_ESTIMATE = {"non_reentrant": 1.10, "reentrant": 1.15}
+OVER_ESTIMATE = {"non_reentrant": 1.05, "reentrant": 1.15}
 """How far above the measured peak the estimate may be (see the known gaps below)."""
 EXAMPLES = 40
 
@@ -105,11 +105,10 @@ def test_random_graph_trains_exactly_and_is_estimated_well(spec: GraphSpec, mode
             torch.testing.assert_close(got, want)
     measured = autockpt.measure(transformed, args, loss_fn=loss_fn).peak_activation_bytes
     estimated = plan.estimated_peak_bytes
-    # A known gap, noted on issue 14: where segments share inputs the estimate can count a
-    # storage twice, a long-lived storage made inside a segment and read after it is held to
-    # the end (one read only inside it is not: NOTE [ Long-lived storages inside a segment ]),
-    # and reentrant mode's recomputed outputs and their gradients are added at every stage of
-    # the segment (OVER_ESTIMATE). It never falls short by more than the budget's slack.
+    # Within 5% in non-reentrant mode (NOTE [ Storages held by the plan ]). A known gap in
+    # reentrant mode, noted on issue 14: the frame's copies of the outputs and of their
+    # gradients are priced stage by stage, not op by op (OVER_ESTIMATE). It never falls
+    # short by more than the budget's slack.
     low, high = measured * (1 - ESTIMATE_TOLERANCE), measured * OVER_ESTIMATE[mode]
     assert low <= estimated <= high, (
         f"{mode}, {len(plan.segments)} segments: estimated {estimated} B, measured "
