@@ -130,6 +130,13 @@ class Stage:
     by this one or a later one (see :class:`Passing`)."""
     passing_made_bytes: int = 0
     """Bytes of the passing storages it makes."""
+    recompute_buffer_bytes: int = 0
+    """Bytes a recompute of it saves beside ``saved_bytes``: its clones of the buffers its
+    nodes update and save (:attr:`~autockpt.stats.NodeStat.saved_buffer_bytes`). A segment
+    makes the clones of all its stages when its recompute starts."""
+    recompute_backward_extra_bytes: int = 0
+    """What those clones add to ``backward_peak_bytes`` when the stage runs backward
+    recomputed: each is freed once the node that saved it has run backward."""
     frame_backward_peak_bytes: int = 0
     """``backward_peak_bytes`` when the gradients of the passing values it makes stay alive
     after their producers have run backward: as the last stage of a reentrant segment, whose
@@ -600,20 +607,13 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     stages = []
     for s, (lo, hi) in enumerate(spans):
         members = nodes[lo:hi]
-        # Walk the stage backwards: a saved storage is alive until the first node that saved
-        # it has run its backward.
-        saved_spans = sorted(internal_spans[s])
-        alive = sum(size for _, size in saved_spans)
-        k = len(saved_spans)
-        backward_peak = frame_peak = kept = 0
-        for u in range(hi - 1, lo - 1, -1):
-            if grads_at[u] is not None:
-                backward_peak = max(backward_peak, alive + grads_at[u])
-                frame_peak = max(frame_peak, alive + grads_at[u] + kept)
-            kept += passing_grads.get(u, 0)
-            while k and saved_spans[k - 1][0] >= u:
-                k -= 1
-                alive -= saved_spans[k][1]
+        backward_peak, frame_peak = _backward_walk(internal_spans[s], grads_at, lo, hi,
+                                                   passing_grads)
+        # Recomputed, each node that updates and saves buffers saves clones of them too.
+        clones = [(u, nodes[u].saved_buffer_bytes) for u in range(lo, hi)
+                  if nodes[u].saved_buffer_bytes]
+        recomputed_peak = (_backward_walk(internal_spans[s] + clones, grads_at, lo, hi, {})[0]
+                           if clones else backward_peak)
         # A segment is spared at most all of its own nodes (the memory model caps it).
         tail_cost, tail_flops, stop = _tails(profile, hi, saves_own, saves_any)
         stop = max(stop, lo)
@@ -636,6 +636,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             grad_entry_bytes=entry[s], backward_peak_bytes=backward_peak, forward=forward,
             tail_cost=tail_cost, tail_flops=tail_flops, passing_bytes=passing_alive[s],
             passing_made_bytes=made[s], frame_backward_peak_bytes=frame_peak,
+            recompute_buffer_bytes=sum(size for _, size in clones),
+            recompute_backward_extra_bytes=recomputed_peak - backward_peak,
         ))
     return Chain(stages=tuple(stages),
                  cuts=tuple(Cut(saved_by_producer_bytes=by_producer[c],
@@ -644,6 +646,27 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                                 saved_by_neither_bytes=by_neither[c])
                             for c in range(count + 1)),
                  passing=tuple(passing), long_lived=tuple(lasting))
+
+
+def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None], lo: int,
+                   hi: int, passing_grads: dict[int, int]) -> tuple[int, int]:
+    """Walk the stage ``lo..hi-1`` backwards: a saved storage (``(first saver, bytes)`` in
+    ``spans``) is alive until its first saver has run backward. Returns the most bytes alive
+    with the gradients, and the same with the gradients of the passing values made by the
+    nodes already walked kept (``passing_grads``: bytes by node)."""
+    saved_spans = sorted(spans)
+    alive = sum(size for _, size in saved_spans)
+    k = len(saved_spans)
+    peak = frame_peak = kept = 0
+    for u in range(hi - 1, lo - 1, -1):
+        if grads_at[u] is not None:
+            peak = max(peak, alive + grads_at[u])
+            frame_peak = max(frame_peak, alive + grads_at[u] + kept)
+        kept += passing_grads.get(u, 0)
+        while k and saved_spans[k - 1][0] >= u:
+            k -= 1
+            alive -= saved_spans[k][1]
+    return peak, frame_peak
 
 
 def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,

@@ -260,6 +260,44 @@ def _refine(chain: Chain, ranges: Ranges, budget: int, mode: str) -> Ranges:
         cost, ranges = best
 
 
+def _neighbours(chain: Chain, ranges: Ranges) -> list[Ranges]:
+    """Plans one step from ``ranges``: a segment grown or shrunk by a stage at either end,
+    dropped or split in two, two neighbours joined, a stage checkpointed alone."""
+    grad = [stage.carries_grad for stage in chain.stages]
+    out: list[Ranges] = []
+    for i, (a, b) in enumerate(ranges):
+        head, tail = ranges[:i], ranges[i + 1:]
+        lo = ranges[i - 1][1] + 1 if i else 0
+        hi = tail[0][0] - 1 if tail else len(grad) - 1
+        for x, y in ((a - 1, b), (a + 1, b), (a, b - 1), (a, b + 1)):
+            if lo <= x <= y <= hi and grad[x] and grad[y]:
+                out.append(head + ((x, y),) + tail)
+        out.append(head + tail)
+        out.extend(head + ((a, m), (m + 1, b)) + tail for m in range(a, b))
+        if tail and all(grad[b + 1:tail[0][0]]):
+            out.append(head + ((a, tail[0][1]),) + tail[1:])
+    covered = {t for a, b in ranges for t in range(a, b + 1)}
+    out.extend(tuple(sorted((*ranges, (t, t)))) for t, g in enumerate(grad)
+               if g and t not in covered)
+    return out
+
+
+def _descend(chain: Chain, ranges: Ranges, mode: str) -> Ranges:
+    """The programme's least-peak plan, improved step by step under the plan's own
+    estimate: the neighbour of least (estimate, recompute) while one is below the current
+    plan's (NOTE [ Storages held by the plan ] in :mod:`autockpt.memory_model`)."""
+    best = (estimate_peak(chain, ranges, mode), recompute_cost(chain, ranges, mode))
+    while True:
+        found = None
+        for option in _neighbours(chain, ranges):
+            score = (estimate_peak(chain, option, mode), recompute_cost(chain, option, mode))
+            if score < best:
+                best, found = score, option
+        if found is None:
+            return ranges
+        ranges = found
+
+
 Strategy = Callable[[Chain, "int | None", str, bool], "tuple[Tree | None, int]"]
 """``strategy(chain, budget_bytes, mode, nesting) -> (tree or None if the budget cannot be
 met, least peak the strategy reaches)``; ``budget_bytes=None`` asks for the least peak;
@@ -303,7 +341,8 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
     # fits, and ``min_peak`` is that plan's estimate, so that asking for it succeeds.
     least = optimal_ranges(chain, None, mode)
     assert least is not None  # checkpointing nothing is always a choice
-    least_ranges, programme_least = least
+    programme_least = least[1]
+    least_ranges = _descend(chain, least[0], mode)
     min_peak = estimate_peak(chain, least_ranges, mode)
     if budget is not None:
         if budget >= estimate_peak(chain, (), mode):

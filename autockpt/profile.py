@@ -571,6 +571,8 @@ class _ProfileRunner(fx.Interpreter):
         self.env[node] = value
         written = watcher.written
         mutated_buffers = {self._buffer_names[k] for k in written if k in self._buffer_names}
+        saved_buffers = {storage_key(t): t.untyped_storage().nbytes() for t in saved_now
+                         if storage_key(t) in written and storage_key(t) in self._buffer_names}
         if mutated_buffers and node.op == "call_module":
             # Snapshot the module's buffers together: they are updated as a set.
             module = gm.get_submodule(str(node.target))
@@ -653,6 +655,7 @@ class _ProfileRunner(fx.Interpreter):
             trainable=trainable,
             mutated_inputs=tuple(mutated_inputs),
             mutated_buffers=tuple(sorted(mutated_buffers)),
+            saved_buffer_bytes=sum(saved_buffers.values()),
             backward_bytes=backward[0] if backward else 0,
             input_grad_bytes=backward[1] if backward else (),
             grad_bytes=_grad_size(value),

@@ -13,6 +13,10 @@ modes). The segment function counts its calls per checkpoint invocation: the fir
 forward; on any later call (the recompute) it swaps in clones of the buffers the profiler saw
 being updated in that segment, so that the recompute updates the clones, and puts the
 originals back afterwards, also when a non-reentrant recompute stops early by raising.
+BatchNorm saves its running statistics for backward, so the recompute's clones stay alive
+until each BatchNorm has run backward: activation memory that only a recompute has, which the
+memory model counts (``Stage.recompute_buffer_bytes`` in :mod:`autockpt.chain`; left out, a
+stack of BatchNorm layers was estimated 1% below its measured peak).
 
 # NOTE [ RNG only where needed ]
 ``preserve_rng_state=True`` stashes and restores the CPU and CUDA RNG states around every

@@ -79,6 +79,11 @@ class NodeStat:
     time_ns: int | None = None
     """Median measured forward time of the node in nanoseconds, when it was timed on the real
     device (``cost="profile"``, :func:`autockpt.timing.time_nodes`); ``None`` otherwise."""
+    saved_buffer_bytes: int = 0
+    """Bytes of the buffers it updates and saves for backward (BatchNorm's running
+    statistics). Not activations in a plain forward; a recompute runs the node on clones of
+    them (NOTE [ Recompute must not update buffers twice ] in :mod:`autockpt.runner`), which
+    it saves, so there they are."""
     saves_fresh: bool = True
     """Whether it saves a storage made by its last op (dropout's mask, tanh's result), as
     opposed to ones made by earlier ops only (a 4-D matmul saves the copy it made of a
