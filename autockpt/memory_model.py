@@ -337,14 +337,16 @@ class MemoryModel:
 
     def plan_peak(self, ranges: Ranges) -> int:
         """The estimated peak with the single-level ``ranges`` checkpointed, each long-lived
-        storage counted only while this plan holds it: never above :meth:`peak`, the price
-        the dynamic programmes use (NOTE [ Storages held by the plan ])."""
+        and passing storage counted only while this plan holds it: never above
+        :meth:`peak`, the price the dynamic programmes use (NOTE [ Storages held by the
+        plan ])."""
         chain = self.chain
         starts = dict(ranges)
         made_at: list[list[LongLived]] = [[] for _ in range(self.count)]
         for x in chain.long_lived:
             made_at[x.producer].append(x)
         pending: list[LongLived] = []  # alive in forward, held by nothing yet
+        held_passing: list[int] = []  # indices into chain.passing, held by a segment
         peak = held = 0
         follows_segment = False
         t = 0
@@ -356,7 +358,7 @@ class MemoryModel:
                 held += _bytes(taken)
                 forward, backward, after = self.plain_terms(t, follows_segment, held)
                 later = [x for x in made_at[t] if t not in x.savers]
-                forward += _alive(pending, t)
+                forward += _alive(pending, t) - _passing_alive(chain, held_passing, t)
                 peak = max(peak, forward, backward - _bytes(later))
                 held = after - _bytes(later)
                 pending += later
@@ -366,9 +368,14 @@ class MemoryModel:
             taken = [x for x in pending if _touches(x, a, b)]
             pending = [x for x in pending if not _touches(x, a, b)]
             held += _bytes(taken)
+            read = [i for i, x in enumerate(chain.passing)
+                    if x.producer < a and any(a <= r <= b for r in x.readers)]
+            again = sum(chain.passing[i].size_bytes for i in read if i in held_passing)
             inputs = self.segment_inputs(a, follows_segment)
+            seen = _passing_alive(chain, held_passing, a)
             for u in range(a, b + 1):
-                peak = max(peak, self.segment_forward(a, u, held + _alive(pending, u), inputs))
+                peak = max(peak, self.segment_forward(a, u, held - seen + _alive(pending, u),
+                                                      inputs))
             escaping = [x for made in made_at[a:b + 1] for x in made if x.reach > b]
             # In reentrant mode ``segment`` counts the originals of the escaping storages
             # as alive while the segment runs backward; only a later segment that keeps one
@@ -376,10 +383,12 @@ class MemoryModel:
             dead = 0
             if self.reentrant:
                 dead = _bytes([x for x in escaping if not _kept_by_a_segment(x, b, starts)])
-            value, after, _ = self.segment(a, b, held - dead, inputs)
+            value, after, _ = self.segment(a, b, held - again - dead, inputs)
             peak = max(peak, value)
             held = after + dead - _bytes(escaping)
             pending += escaping
+            if not self.reentrant:  # the second count stays there: see the NOTE below
+                held_passing += [i for i in read if i not in held_passing]
             follows_segment, t = True, b + 1
         return peak
 
@@ -490,6 +499,12 @@ def _touches(x: LongLived, a: int, b: int) -> bool:
     return any(a <= s <= b for s in (*x.savers, *x.readers) if s > x.producer)
 
 
+def _passing_alive(chain: Chain, held: Sequence[int], t: int) -> int:
+    """Bytes of the passing storages ``held`` (indices) that the forward tables count at
+    stage ``t``: those with a reader at ``t`` or later."""
+    return sum(chain.passing[i].size_bytes for i in held if chain.passing[i].readers[-1] >= t)
+
+
 def _kept_by_a_segment(x: LongLived, b: int, starts: dict[int, int]) -> bool:
     """Whether the first stage after ``b`` to hold ``x`` is in a checkpointed segment
     (``starts``: first stage to last) that reads it, not a plain stage that saves it."""
@@ -557,28 +572,37 @@ def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[i
 
 # NOTE [ Storages held by the plan ]
 # The dynamic programme needs every peak term to be ``held + constant`` with ``held`` only
-# growing (NOTE [ The memory model ]), so it holds a long-lived storage from its producer on
-# (from the end of its producer's segment when it escapes one), whatever the plan. Only a
-# stage that saves it, left plain, or a checkpointed segment that reads it (keeping it as an
-# input) holds it for backward: before the first of those it is only alive in forward, up to
-# its last reader, and with none (every saver inside the segment that made it, later readers
-# only reading it: a concatenation, a sum) it is never held.
+# growing (NOTE [ The memory model ]), so it prices two kinds of storage by where they could
+# be held, not where a given plan holds them:
 #
-# ``MemoryModel.plan_peak`` walks one plan and counts each long-lived storage only where
-# that plan holds it: pending, it is added to the forward terms of the stages it lives
-# through; from the first plain stage that saves it or segment that reads it, to ``held``.
-# In reentrant mode ``segment`` also counts the originals of the storages escaping the
-# segment as alive during its own backward; the walk drops those whose first holder later is
-# a plain stage, and keeps those a later segment holds as its input (dropping those too
-# fell 3.5% short of the measured peak on a random graph). Every term is the programme's or
-# lower, so ``plan_peak <= peak`` for every plan (tests/test_optimal.py checks it over all
-# plans of random chains), and the two agree where no storage is long-lived.
+# * a long-lived storage is held from its producer on (from the end of its producer's segment
+#   when it escapes one), though only a stage that saves it, left plain, or a checkpointed
+#   segment that reads it (keeping it as an input) holds it for backward. Before the first of
+#   those it is only alive in forward, up to its last reader; with none (every saver inside
+#   the segment that made it, later readers only reading it: a concatenation, a sum) it is
+#   never held;
+# * a passing storage that two checkpointed segments read is counted by both, though the
+#   first of them already keeps it to the end of backward.
 #
-# A passing storage that two segments read is still counted by both. Counting it once (the
-# first segment keeps it to the end of backward) looked right and put the random graphs'
-# estimates within 5%, but a plan with a segment per dense layer of torchvision's
-# densenet121 then measured 8% above its estimate: something per reading segment is alive
-# that a single count misses, not found yet.
+# ``MemoryModel.plan_peak`` walks one plan and counts each only where that plan holds it: a
+# pending long-lived storage is added to the forward terms of the stages it lives through,
+# and to ``held`` from the first plain stage that saves it or segment that reads it; a
+# passing storage is added by the first segment that reads it and taken off the forward and
+# held terms of the later ones. In reentrant mode ``segment`` also counts the originals of
+# the storages escaping the segment as alive during its own backward; the walk drops those
+# whose first holder later is a plain stage and keeps those a later segment holds as its
+# input (dropping those too fell 3.5% short of the measured peak on a random graph). Also
+# in reentrant mode a passing storage two segments read is still counted by both: counting
+# it once fell 4.3% short on a random graph (seed 40 of benchmarks/estimate_accuracy.py),
+# something per reading segment being alive there that is not found yet. Every term is the
+# programme's or lower, so ``plan_peak <= peak`` for every plan (tests/test_optimal.py
+# checks it over all plans of random chains), and the two agree where no storage is
+# long-lived or passing.
+#
+# The single count once looked wrong in non-reentrant mode too: a plan with a segment per
+# dense layer of torchvision's densenet121 measured 8% above its estimate. The shortfall was
+# exactly the recompute's clones of the BatchNorm running statistics (89,600 B, then not in
+# the model; now ``Stage.recompute_buffer_bytes``); with them the plan is estimated to 4 B.
 #
 # The programme still chooses by ``peak`` (its state would otherwise have to carry which
 # storages are pending and which are held). Its least-peak plan is then improved step by
@@ -586,9 +610,9 @@ def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[i
 # segment while the estimate falls), and that plan's ``plan_peak`` is what autockpt reports
 # as the least reachable; a budget between it and the programme's least is met by it
 # (``planner._optimal``). On the random graphs of benchmarks/estimate_accuracy.py this took
-# the largest non-reentrant estimate from 1.065 to 1.061 of the measured peak (reentrant
-# 1.134 to 1.090, with the two reentrant changes of NOTE [ Reentrant backward ]), none below
-# it, and the descent lowered the least estimate of 5 of the 60 graphs in non-reentrant mode
+# the largest non-reentrant estimate from 1.065 to 1.041 of the measured peak (reentrant
+# 1.134 to 1.090, with the reentrant changes of NOTE [ Reentrant backward ]), none below it,
+# and the descent lowered the least estimate of 10 of the 60 graphs in non-reentrant mode
 # (3 in reentrant), by up to 11%. It is a local search: no bound says how far the least plan
 # under ``plan_peak`` may still be.
 
@@ -600,17 +624,17 @@ def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[i
 # until its backward. So a segment ``a..b`` holds those made before ``a`` and read in
 # ``a..b`` (``_passing_in``), a plain stage holds none of them, and while stage ``t`` runs
 # forward the ones made before it and read by it or later are alive (``passing_bytes``).
-# Two segments reading the same storage both count it, though it is one storage: the
-# model over-counts there (counting it once fell short: NOTE [ Storages held by the
-# plan ]). Counting them as long-lived instead (held to the end
+# Two segments reading the same storage both count it in the programme, though it is one
+# storage: it over-counts there, never under-counts (a plan's own estimate counts it once in
+# non-reentrant mode: NOTE [ Storages held by the plan ]). Counting them as long-lived instead (held to the end
 # of backward whatever the plan) made a DenseNet block's estimate 11% too high without any
 # checkpoint, once the cuts of NOTE [ Block boundaries under skip connections ] let its
 # layers be stages of their own.
 
 def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:
     """Estimated peak activation bytes of one forward and backward with ``ranges``
-    checkpointed. See NOTE [ The memory model ]; each long-lived storage is counted only
-    where this plan holds it (NOTE [ Storages held by the plan ]), so this is
+    checkpointed. See NOTE [ The memory model ]; each long-lived and passing storage is
+    counted only where this plan holds it (NOTE [ Storages held by the plan ]), so this is
     at most what the dynamic programme prices the plan at (:meth:`MemoryModel.peak`).
 
     Example:
