@@ -332,9 +332,11 @@ def _sqrt(chain: Chain, budget: int | None, mode: str, nesting: bool
 
 def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
              ) -> tuple[Tree | None, int]:
-    """The least recompute under the budget, exactly, for the memory model of
-    :mod:`autockpt.memory_model` (a dynamic programme over the chain); below the least peak of
-    single-level plans, nested plans from the rotor programme (NOTE [ Where nesting pays ])."""
+    """The least recompute under the budget, exactly for the price the dynamic programme over
+    the chain puts on a plan (:meth:`~autockpt.memory_model.MemoryModel.peak`, never below the
+    plan's estimate); with no budget, its least-peak plan improved under the plan's estimate
+    (:func:`_descend`); below the least peak of single-level plans, nested plans from the
+    rotor programme (NOTE [ Where nesting pays ])."""
     # NOTE [ Storages held by the plan ] in autockpt.memory_model: the programme prices a
     # plan at ``MemoryModel.peak``, the plan's estimate (``estimate_peak``) may be lower. A
     # budget between the two is met by the programme's least-peak plan when its estimate
