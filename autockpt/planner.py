@@ -34,7 +34,7 @@ from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
 from autockpt.memory_model import (Ranges, Tree, as_tree, estimate_peak, estimate_tree_peak,
                                    flatten_tree, recompute_cost, tree_depth)
 from autockpt.nested import nested_plans
-from autockpt.optimal import optimal_ranges
+from autockpt.optimal import least_peak, optimal_ranges
 from autockpt.report import format_plan
 from autockpt.stats import LOSS_OP, ChunkedHead, LossStat, NodeStat, Profile
 
@@ -341,11 +341,18 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
     # plan at ``MemoryModel.peak``, the plan's estimate (``estimate_peak``) may be lower. A
     # budget between the two is met by the programme's least-peak plan when its estimate
     # fits, and ``min_peak`` is that plan's estimate, so that asking for it succeeds.
-    least = optimal_ranges(chain, None, mode)
-    assert least is not None  # checkpointing nothing is always a choice
-    programme_least = least[1]
-    least_ranges = _descend(chain, least[0], mode)
-    min_peak = estimate_peak(chain, least_ranges, mode)
+    # Without long-lived or passing storages the two agree on every plan: the programme's
+    # least peak, found without a frontier, is the least estimate, and nothing to descend.
+    agree = not (chain.long_lived or chain.passing)
+    least_ranges: Ranges = ()
+    if budget is not None and agree:
+        programme_least = min_peak = least_peak(chain, mode)
+    else:
+        least = optimal_ranges(chain, None, mode)
+        assert least is not None  # checkpointing nothing is always a choice
+        programme_least = least[1]
+        least_ranges = least[0] if agree else _descend(chain, least[0], mode)
+        min_peak = estimate_peak(chain, least_ranges, mode)
     if budget is not None:
         if budget >= estimate_peak(chain, (), mode):
             return (), min_peak  # met as it is: nothing to search
@@ -353,7 +360,7 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
             found = optimal_ranges(chain, budget, mode)
             assert found is not None  # the least-peak plan fits
             return as_tree(found[0]), min_peak
-        if budget >= min_peak:
+        if budget >= min_peak:  # below the programme's least: only where they disagree
             return as_tree(least_ranges), min_peak
     if not nesting or mode != "non_reentrant":
         return (as_tree(least_ranges) if budget is None else None), min_peak
