@@ -173,6 +173,10 @@ class MemoryModel:
         # The recomputed copies alive while backward runs stage ``a+k`` of a segment from
         # ``a``: those of the long-lived storages made in it and first saved by ``a+k``.
         self._copies = _made_from(chain, lambda x: x.first_saver)
+        # The long-lived storages by producer, for ``plan_peak``.
+        self._long_lived_made_at: list[list[LongLived]] = [[] for _ in range(self.count)]
+        for x in chain.long_lived:
+            self._long_lived_made_at[x.producer].append(x)
         self._backward_max = [list(accumulate((backward[a + k] + copies[k]
                                                for k in range(self.count - a)), max))
                               for a, copies in enumerate(self._copies)]
@@ -342,9 +346,7 @@ class MemoryModel:
         plan ])."""
         chain = self.chain
         starts = dict(ranges)
-        made_at: list[list[LongLived]] = [[] for _ in range(self.count)]
-        for x in chain.long_lived:
-            made_at[x.producer].append(x)
+        made_at = self._long_lived_made_at
         pending: list[LongLived] = []  # alive in forward, held by nothing yet
         held_passing: list[int] = []  # indices into chain.passing, held by a segment
         peak = held = 0
