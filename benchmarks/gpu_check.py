@@ -27,13 +27,20 @@ embeddings, inside attention and on both residual branches; torchvision's ResNet
 (``benchmarks/models.resnet50``, BatchNorm in train mode); Hugging Face GPT-2 from a small
 config with a vocabulary of 8192 as in ``benchmarks/huggingface.py`` (its own dropout 0.1 and
 loss; in non-reentrant mode autockpt runs the head in chunks, so its loss and gradients are
-summed in another order and match to float tolerance, not bitwise). Every loss is a real one
-(cross-entropy against fixed targets), planned for with ``loss_fn=``, as the benchmarks do.
+summed in another order and match to float tolerance, not bitwise). With ``--models skip``, the
+models whose skip connections span most of the graph (tests/skip_models.py, as
+tests/models/test_skip_connections.py builds them, with larger inputs): our UNet with
+concatenated skips, the HRNet-like network, diffusers' ``UNet2DModel`` and
+``UNet2DConditionModel`` (cross-attention to fixed encoder states), torchvision's DenseNet-121
+and Hugging Face T5 and BART (their own dropout and loss, ``labels=``). Every loss is a real
+one (cross-entropy or MSE against fixed targets, or the model's own), planned for with
+``loss_fn=``, as the benchmarks do.
 
     python benchmarks/gpu_check.py --json gpu_check.json      # on CUDA when there is one
+    python benchmarks/gpu_check.py --models skip --json s.json # the skip-connection models
     python benchmarks/gpu_check.py --device cpu --tiny        # a smoke test of the script
 
-A model whose package (torchvision, transformers) does not import is skipped with a note.
+A model whose package (torchvision, transformers, diffusers) does not import is skipped with a note.
 Exits 1 when a gradient or loss differs beyond tolerance.
 """
 
@@ -58,11 +65,14 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The repository's root, for the skip-connection models the tests build (tests/skip_models.py).
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import autockpt  # noqa: E402
 from autockpt.report import format_table  # noqa: E402
 from compare import device_info, missing_package, parse_device, synchronize  # noqa: E402
-from models import MODELS, Blocks, gpt, make_loss, resnet50  # noqa: E402
+from models import LOSSES, MODELS, Blocks, gpt, make_loss, resnet50  # noqa: E402
+from tests import skip_models  # noqa: E402
 
 MIB = 2**20
 MODES = ("non_reentrant", "reentrant")
@@ -95,12 +105,25 @@ class Sizes:
     hf_seq: int
     hf_layers: int
     hf_dim: int
+    skip_batch: int
+    """The batch of every skip-connection model."""
+    skip_image: int
+    """Their images' side (latents' side for ``UNet2DConditionModel``: half of it)."""
+    skip_seq: int
+    """T5's and BART's tokens, and (an eighth of it) the conditioning UNet's encoder states."""
 
 
 FULL = Sizes(gpt_batch=8, gpt_seq=256, gpt_layers=8, gpt_dim=256, resnet_batch=8,
-             resnet_image=128, hf_batch=4, hf_seq=256, hf_layers=6, hf_dim=256)
+             resnet_image=128, hf_batch=4, hf_seq=256, hf_layers=6, hf_dim=256,
+             skip_batch=16, skip_image=64, skip_seq=128)
 TINY = Sizes(gpt_batch=2, gpt_seq=64, gpt_layers=3, gpt_dim=64, resnet_batch=2,
-             resnet_image=64, hf_batch=2, hf_seq=128, hf_layers=2, hf_dim=64)
+             resnet_image=64, hf_batch=2, hf_seq=128, hf_layers=2, hf_dim=64,
+             skip_batch=2, skip_image=32, skip_seq=32)
+SKIP_MODELS = ("unet", "hrnet_like", "unet2d", "unet2d_condition", "densenet121", "t5", "bart")
+"""``--models skip``: the models of tests/models/test_skip_connections.py."""
+SKIP_PACKAGES = {"unet2d": "diffusers", "unet2d_condition": "diffusers",
+                 "densenet121": "torchvision", "t5": "transformers", "bart": "transformers"}
+ALL_MODELS = ("gpt", "resnet50", "gpt2", *SKIP_MODELS)
 GPT_VOCAB = 2048
 HF_VOCAB = 8192
 DROPOUT = 0.1
@@ -142,6 +165,58 @@ class Case:
     loss: str
 
 
+def _sample(output: Any) -> torch.Tensor:
+    """A diffusers model's prediction (``.sample``), or the output itself."""
+    return output.sample if hasattr(output, "sample") else output
+
+
+def _fixed_target_loss(kind: str, model: nn.Module, args: tuple[Any, ...]
+                       ) -> Callable[[Any], torch.Tensor]:
+    """``LOSSES[kind]`` with its targets shaped from one eval-mode forward (no BatchNorm
+    update), applied to a diffusers model's ``.sample``."""
+    model.eval()
+    with torch.no_grad():
+        bench = LOSSES[kind](_sample(model(*args)))
+    model.train()
+    return lambda output: bench.fn(_sample(output))
+
+
+def skip_case(name: str, sizes: Sizes, device: torch.device, generator: torch.Generator
+              ) -> Case:
+    """One model of :data:`SKIP_MODELS` on ``device``, seeded as the tests seed it."""
+    batch, side = sizes.skip_batch, sizes.skip_image
+
+    def images(channels: int, size: int) -> torch.Tensor:
+        return torch.randn(batch, channels, size, size, generator=generator).to(device)
+
+    torch.manual_seed(0)
+    if name in ("t5", "bart"):
+        model = (skip_models.t5() if name == "t5" else skip_models.bart()).to(device)
+        ids, labels = (torch.randint(3, skip_models.SEQ2SEQ_VOCAB, (batch, sizes.skip_seq),
+                                     generator=generator).to(device) for _ in range(2))
+        return Case(name, model, (), {"input_ids": ids, "labels": labels}, _own_loss,
+                    "model's own (labels=)")
+    timesteps = (torch.arange(batch) * 37 % 1000).to(device)
+    if name == "unet":
+        model, args, kind = skip_models.UNet().to(device), (images(3, 2 * side),), "mse"
+    elif name == "hrnet_like":
+        model, args, kind = skip_models.HRNetLike().to(device), (images(3, side),), "cross_entropy"
+    elif name == "unet2d":
+        model, args, kind = skip_models.unet2d().to(device), (images(3, side), timesteps), "mse"
+    elif name == "unet2d_condition":
+        states = torch.randn(batch, max(1, sizes.skip_seq // 8),
+                             skip_models.UNET2D_CONDITION_CROSS_DIM, generator=generator)
+        model = skip_models.unet2d_condition().to(device)
+        args, kind = (images(4, side // 2), timesteps, states.to(device)), "mse"
+    elif name == "densenet121":
+        model, args, kind = skip_models.densenet121().to(device), (images(3, side),), \
+            "cross_entropy"
+    else:
+        raise ValueError(f"unknown model {name!r}")
+    return Case(name, model, args, {}, _fixed_target_loss(kind, model, args),
+                f"{kind}, fixed targets")
+
+
 def build_cases(names: list[str], sizes: Sizes, device: torch.device
                 ) -> tuple[list[Case], dict[str, str]]:
     """The cases named, built on the CPU from fixed seeds and moved to ``device``; the ones
@@ -177,6 +252,15 @@ def build_cases(names: list[str], sizes: Sizes, device: torch.device
             kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
             cases.append(Case(name, model, (), kwargs, _own_loss,
                               "model's own (labels = input ids)"))
+        elif name in SKIP_MODELS:
+            package = SKIP_PACKAGES.get(name)
+            try:
+                if package is not None:
+                    __import__(package)
+                cases.append(skip_case(name, sizes, device, generator))
+            except ImportError as err:
+                skipped[name] = f"{package} does not import: {err}"
+                continue
         else:
             raise ValueError(f"unknown model {name!r}")
         cases[-1].model.train()
@@ -470,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (the default where there is one) or cpu")
     parser.add_argument("--models", default="gpt,resnet50,gpt2",
-                        help="comma-separated, from: gpt, resnet50, gpt2")
+                        help=f"comma-separated, from: {', '.join(ALL_MODELS)}; 'skip' for "
+                             f"{', '.join(SKIP_MODELS)}; 'all' for every one")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny sizes: a smoke test of the script, on the CPU in seconds")
     parser.add_argument("--threads", type=int, default=0,
@@ -480,10 +565,14 @@ def main(argv: list[str] | None = None) -> int:
     device = parse_device(parser, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ("gpt", "resnet50", "gpt2")]
+    names: list[str] = []
+    for name in (n.strip() for n in args.models.split(",") if n.strip()):
+        names += (list(SKIP_MODELS) if name == "skip" else list(ALL_MODELS) if name == "all"
+                  else [name])
+    unknown = [n for n in names if n not in ALL_MODELS]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from gpt, resnet50, gpt2")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join(ALL_MODELS)}, skip or all")
     sizes = TINY if args.tiny else FULL
     info = device_info(device)
     print(f"device {info['device']} ({info['device_name']}), torch {info['torch']}", flush=True)

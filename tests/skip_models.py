@@ -1,6 +1,9 @@
-"""Models whose skip connections span most of the graph, written here: a UNet with
+"""Models whose skip connections span most of the graph: written here, a UNet with
 concatenated skips and an HRNet-like network whose two resolutions exchange features in
-every stage. Small enough for CI on a CPU.
+every stage; built from small configs, diffusers' ``UNet2DModel`` and ``UNet2DConditionModel``,
+torchvision's DenseNet-121, Hugging Face T5 and BART. Small enough for CI on a CPU; the tests
+(tests/models/test_skip_connections.py) and the GPU check (benchmarks/gpu_check.py) build the
+same models, with inputs of their own sizes.
 
 This module deliberately does not import autockpt.
 """
@@ -105,3 +108,66 @@ class HRNetLike(nn.Module):
         for stage in self.stages:
             h, low = stage(h, low)
         return self.head(torch.cat([h.mean((2, 3)), low.mean((2, 3))], dim=1))
+
+
+# The library models take no sizes: their configs are the tests' own, and a larger run
+# (benchmarks/gpu_check.py) grows the batch and the resolution of the inputs instead.
+
+
+def unet2d() -> nn.Module:
+    """diffusers' ``UNet2DModel``: three resolutions, attention at the second."""
+    from diffusers import UNet2DModel
+
+    return UNet2DModel(sample_size=32, in_channels=3, out_channels=3, layers_per_block=2,
+                       block_out_channels=(32, 64, 64),
+                       down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
+                       up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+                       norm_num_groups=8)
+
+
+UNET2D_CONDITION_CROSS_DIM = 32
+"""The width of the encoder hidden states (the text embedding) ``unet2d_condition`` reads."""
+
+
+def unet2d_condition() -> nn.Module:
+    """diffusers' ``UNet2DConditionModel`` (Stable Diffusion's denoiser) with cross-attention
+    to ``UNET2D_CONDITION_CROSS_DIM``-wide encoder states on 4 latent channels."""
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+                                block_out_channels=(32, 64),
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                                cross_attention_dim=UNET2D_CONDITION_CROSS_DIM,
+                                attention_head_dim=8, norm_num_groups=8)
+
+
+def densenet121(classes: int = 10) -> nn.Module:
+    """torchvision's DenseNet-121, no weights."""
+    import torchvision
+
+    return torchvision.models.densenet121(num_classes=classes)
+
+
+SEQ2SEQ_VOCAB = 512
+"""The vocabulary of ``t5`` and ``bart``: token ids are drawn below it."""
+
+
+def t5() -> nn.Module:
+    """Hugging Face T5 (4 + 4 layers, width 64), its dropout 0.1."""
+    import transformers
+
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=SEQ2SEQ_VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=4, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.1,
+        use_cache=False))
+
+
+def bart() -> nn.Module:
+    """Hugging Face BART (3 + 3 layers, width 64), its dropout 0.1."""
+    import transformers
+
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=SEQ2SEQ_VOCAB, d_model=64, encoder_layers=3, decoder_layers=3,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_position_embeddings=128, dropout=0.1, use_cache=False))

@@ -26,7 +26,8 @@ import autockpt
 from autockpt.instrument import flop_counter
 from autockpt.planner import BUDGET_SLACK
 from tests.helpers import assert_same_step, assert_same_step_in_float64, train_step
-from tests.skip_models import UNet, HRNetLike
+from tests.skip_models import (SEQ2SEQ_VOCAB, UNET2D_CONDITION_CROSS_DIM, HRNetLike, UNet,
+                                bart, densenet121, t5, unet2d, unet2d_condition)
 
 pytestmark = pytest.mark.models
 
@@ -78,60 +79,16 @@ def _cross_entropy(out: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, torch.arange(out.shape[0]) % out.shape[1])
 
 
-def _unet2d() -> nn.Module:
-    from diffusers import UNet2DModel
-
-    return UNet2DModel(sample_size=32, in_channels=3, out_channels=3, layers_per_block=2,
-                       block_out_channels=(32, 64, 64),
-                       down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
-                       up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
-                       norm_num_groups=8)
-
-
-def _unet2d_condition() -> nn.Module:
-    from diffusers import UNet2DConditionModel
-
-    return UNet2DConditionModel(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(32, 64),
-                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-                                cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
-
-
 def _condition_inputs() -> Inputs:
     gen = torch.Generator().manual_seed(1)
     return (torch.randn(2, 4, 16, 16, generator=gen), torch.tensor([10, 500]),
-            torch.randn(2, 8, 32, generator=gen)), {}
-
-
-def _densenet121() -> nn.Module:
-    import torchvision
-
-    return torchvision.models.densenet121(num_classes=10)
-
-
-def _t5() -> nn.Module:
-    import transformers
-
-    return transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=4, num_heads=4,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.1,
-        use_cache=False))
-
-
-def _bart() -> nn.Module:
-    import transformers
-
-    return transformers.BartForConditionalGeneration(transformers.BartConfig(
-        vocab_size=512, d_model=64, encoder_layers=3, decoder_layers=3,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-        decoder_ffn_dim=128, max_position_embeddings=128, dropout=0.1, use_cache=False))
+            torch.randn(2, 8, UNET2D_CONDITION_CROSS_DIM, generator=gen)), {}
 
 
 def _seq2seq_inputs() -> Inputs:
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 512, (4, 64), generator=gen)
-    labels = torch.randint(3, 512, (4, 64), generator=gen)
+    ids = torch.randint(3, SEQ2SEQ_VOCAB, (4, 64), generator=gen)
+    labels = torch.randint(3, SEQ2SEQ_VOCAB, (4, 64), generator=gen)
     return (), {"input_ids": ids, "labels": labels}
 
 
@@ -147,15 +104,15 @@ def _hf_switch(model: nn.Module) -> None:
 CASES = (
     SkipCase("unet", "torch", _seeded(UNet), _images(4, 3, 64), _mse_to_zero),
     SkipCase("hrnet_like", "torch", _seeded(HRNetLike), _images(4, 3, 32), _cross_entropy),
-    SkipCase("diffusers_unet2d", "diffusers", _seeded(_unet2d),
+    SkipCase("diffusers_unet2d", "diffusers", _seeded(unet2d),
              _images(2, 3, 32, torch.tensor([10, 500])), _mse_to_zero, _diffusers_switch),
-    SkipCase("diffusers_unet2d_condition", "diffusers", _seeded(_unet2d_condition),
+    SkipCase("diffusers_unet2d_condition", "diffusers", _seeded(unet2d_condition),
              _condition_inputs, _mse_to_zero, _diffusers_switch),
-    SkipCase("tv_densenet121", "torchvision", _seeded(_densenet121), _images(2, 3, 32),
+    SkipCase("tv_densenet121", "torchvision", _seeded(densenet121), _images(2, 3, 32),
              _cross_entropy),
-    SkipCase("hf_t5", "transformers", _seeded(_t5), _seq2seq_inputs, None, _hf_switch,
+    SkipCase("hf_t5", "transformers", _seeded(t5), _seq2seq_inputs, None, _hf_switch,
              strictly_fewer=False),
-    SkipCase("hf_bart", "transformers", _seeded(_bart), _seq2seq_inputs, None, _hf_switch,
+    SkipCase("hf_bart", "transformers", _seeded(bart), _seq2seq_inputs, None, _hf_switch,
              strictly_fewer=False),
 )
 
