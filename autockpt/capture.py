@@ -31,7 +31,8 @@ already keeps one graph per input signature.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +242,24 @@ def _first_line(message: str, limit: int = 160) -> str:
 # --------------------------------------------------------------------------- rung 2: export
 
 
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Export without recording each node's Python stack: that is a third of export's time on
+    a transformer, and nothing here reads ``stack_trace``. The switch
+    (``torch.fx.config.do_not_emit_stack_traces``) is newer than some torch releases we
+    support (2.11 has none); there export records the stacks, slower but the same graph."""
+    config = getattr(torch.fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    saved = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = saved
+
+
 def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> TracedModel:
     """Capture the forward with :func:`torch.export.export` (non-strict, train mode).
@@ -264,13 +283,10 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     arguments = bind_inputs(module, args, kwargs)
     view = shallow_view(module, cls)
     flags = [(m, m.training) for m in view.modules()]
-    emit_stack_traces = torch.fx.config.do_not_emit_stack_traces
     try:
         view.train()
-        # Recording each node's Python stack is a third of export's time on a transformer,
-        # and nothing here reads ``stack_trace``.
-        torch.fx.config.do_not_emit_stack_traces = True
-        exported = torch.export.export(view, (), dict(arguments), strict=False)
+        with _no_stack_traces():
+            exported = torch.export.export(view, (), dict(arguments), strict=False)
     except Exception as err:  # export raises many kinds; all mean "not exportable"
         fix = ("see the torch.export error above; autockpt.apply(..., capture='modules') "
                "checkpoints whole submodules without a graph")
@@ -286,7 +302,6 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             model_name=cls.__name__,
         ) from err
     finally:
-        torch.fx.config.do_not_emit_stack_traces = emit_stack_traces
         for mod, was_training in flags:
             mod.training = was_training
     unlifted = exported.module()

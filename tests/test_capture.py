@@ -189,6 +189,40 @@ def test_a_named_rung_is_used_alone() -> None:
     assert autockpt.plan(net, (torch.randn(2, 8),)).capture == "fx"
 
 
+def test_export_leaves_torchs_stack_trace_switch_as_it_found_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        pytest.skip("this torch has no torch.fx.config.do_not_emit_stack_traces")
+    monkeypatch.setattr(torch.fx.config, "do_not_emit_stack_traces", False)
+    case = CASES[0][0]
+    args, kwargs = case.inputs()
+    transformed = autockpt.apply(case.build(), None, example_inputs=args, example_kwargs=kwargs)
+    assert autockpt.plan_of(transformed).capture == "export"
+    assert_same_case_step(case, case.build(), transformed)
+    assert torch.fx.config.do_not_emit_stack_traces is False
+
+
+def test_stack_traces_are_switched_off_only_where_torch_has_the_switch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.11 (the CUDA build a lent GPU had) has no do_not_emit_stack_traces, and export
+    # failed on reading it. torch's own export reads the switch in newer releases, so its
+    # absence is shown to the helper alone, on a stand-in config.
+    from types import SimpleNamespace
+
+    from autockpt.capture import _no_stack_traces
+
+    old = SimpleNamespace()
+    monkeypatch.setattr(torch.fx, "config", old)
+    with _no_stack_traces():
+        assert not hasattr(old, "do_not_emit_stack_traces")
+    new = SimpleNamespace(do_not_emit_stack_traces=False)
+    monkeypatch.setattr(torch.fx, "config", new)
+    with pytest.raises(RuntimeError), _no_stack_traces():
+        assert new.do_not_emit_stack_traces is True
+        raise RuntimeError("export failed")
+    assert new.do_not_emit_stack_traces is False
+
+
 def test_fx_leaves_keeps_only_the_untraceable_submodules_whole() -> None:
     case = CASES[1][0]
     args, kwargs = case.inputs()
