@@ -191,6 +191,11 @@ class Passing:
     """The later stages that read it, ascending."""
     size_bytes: int
     """Its size."""
+    view_readers: tuple[int, ...] = ()
+    """The readers (stages, ascending) with a node whose output leaves the stage and that
+    hands it the gradient of that output, not new storage (a concatenation's slice, an
+    add's shared gradient). A reentrant segment ending there copies that gradient (NOTE
+    [ A reentrant segment copies its inputs' gradients ] in :mod:`autockpt.memory_model`)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +212,8 @@ class LongLived:
     """The stages after its producer's that read it, ascending (every later saver is one)."""
     size_bytes: int
     """Its size."""
+    view_readers: tuple[int, ...] = ()
+    """As :attr:`Passing.view_readers`: the readers that hand it their output's gradient."""
 
     @property
     def first_saver(self) -> int:
@@ -555,6 +562,10 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
         last_node = max([u for u in st.users if u < n - 1], default=st.producer)
         end_in_stage = min(last_node, spans[p][1] - 1)
         size = st.size_bytes
+        viewed = tuple(sorted({stage_of[u] for u in st.users
+                               if u < n - 1 and stage_of[u] > p
+                               and _hands_output_grad(nodes[u], st.producer)
+                               and _leaves_its_stage(nodes[u], spans[stage_of[u]][1], n)}))
         if reach > p + 1 and not st.is_output and not savers:
             if nodes[st.producer].requires_grad:
                 passing_grads[st.producer] = nodes[st.producer].grad_bytes
@@ -562,7 +573,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             for t in range(p + 1, reach + 1):
                 passing_alive[t] += size
             passing.append(Passing(producer=p, readers=tuple(u for u in users if u > p),
-                                   size_bytes=size))
+                                   size_bytes=size, view_readers=viewed))
             span = (st.producer, spans[p][1] - 1, size)
             held_plain[p].append(span)
             held_ckpt[p].append(span)
@@ -573,7 +584,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                 long_lived[p] += size
                 lasting.append(LongLived(producer=p, savers=tuple(savers),
                                          readers=tuple(u for u in users if u > p),
-                                         size_bytes=size))
+                                         size_bytes=size, view_readers=viewed))
             if savers:
                 long_lived_saved[p] += size
             span = (st.producer, spans[p][1] - 1, size)
@@ -795,3 +806,16 @@ def _sweep(nodes: Sequence[NodeStat], start: int, end: int, spans: list[tuple[in
     return peak
 
 
+def _leaves_its_stage(node: NodeStat, end: int, count: int) -> bool:
+    """Whether ``node``'s output is read after its stage (which ends before node ``end``)
+    or is the model's output: its gradient is then handed to the stage from outside."""
+    return any(u >= end for u in node.users) or not node.users or end >= count
+
+
+def _hands_output_grad(node: NodeStat, producer: int) -> bool:
+    """Whether ``node``'s backward hands the value of ``producer`` the gradient of its own
+    output (or a view of it) rather than new storage; False where it was not probed."""
+    if not node.requires_grad or not node.input_grad_bytes:
+        return False
+    return any(i == producer and grad == 0
+               for i, grad in zip(node.inputs, node.input_grad_bytes))

@@ -35,6 +35,9 @@ MIB = 2**20
 LEAST = {"non_reentrant": 0.40, "reentrant": 0.55}
 """The least memory each mode must reach, as a fraction of the baseline's measured peak."""
 FRACTIONS = (0.5, 0.75)
+UNDER_ESTIMATE = 0.005
+"""How far a least-memory plan's measured peak may exceed its estimate (a kernel's own
+temporaries, not in any profile)."""
 STEP_SEED = 1234
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -155,6 +158,13 @@ def test_least_memory_budgets_and_gradients(case: SkipCase, mode: str) -> None:
     least = _apply(case, None, mode)
     plan = autockpt.plan_of(least)
     measured = _peak(case, least)
+    # The plan's estimate is what a budget is held to: it must not fall short of the step
+    # (it did by 3.3% on UNet2DModel in reentrant mode before NOTE [ A reentrant segment
+    # copies its inputs' gradients ] in autockpt/memory_model.py).
+    assert measured <= plan.estimated_peak_bytes * (1 + UNDER_ESTIMATE), (
+        f"{case.name} ({mode}): measured {measured} B, estimated "
+        f"{plan.estimated_peak_bytes} B\n{plan}"
+    )
     assert measured <= LEAST[mode] * baseline, (
         f"{case.name} ({mode}): least memory {measured / MIB:.2f} MiB is "
         f"{measured / baseline:.0%} of the baseline's {baseline / MIB:.2f} MiB\n{plan}"
