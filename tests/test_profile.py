@@ -183,3 +183,29 @@ def test_the_chunked_graph_resumes_the_plain_run(monkeypatch: pytest.MonkeyPatch
     assert resumed.nodes == fresh.nodes
     assert resumed.storages == fresh.storages
     assert resumed.loss == fresh.loss
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("loss", ["mse_loss", "smooth_l1_loss", "binary_cross_entropy"])
+def test_a_reduced_loss_gets_the_buffer_its_real_kernel_keeps(device: str, loss: str
+                                                                   ) -> None:
+    # The real kernels (CPU and CUDA) return the reduced loss in the element-wise buffer,
+    # which the scalar keeps alive through backward. Fake CUDA tensors need no GPU.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autockpt.profile import _widen_reduced_loss
+
+    func = getattr(torch.ops.aten, loss).default
+    with FakeTensorMode():
+        x = torch.rand(16, 3, 8, 8, device=device)
+        target = torch.rand(16, 3, 8, 8, device=device)
+        out = func(x, target)
+        assert out.untyped_storage().nbytes() == 4  # the fake kernel's own storage
+        _widen_reduced_loss(func, (x, target), {}, out)
+        assert out.untyped_storage().nbytes() == x.numel() * 4
+        none = func(x, target, reduction=0)  # "none": the element-wise loss itself
+        _widen_reduced_loss(func, (x, target), {"reduction": 0}, none)
+        assert none.untyped_storage().nbytes() == x.numel() * 4
+    if device == "cpu":  # what the real kernel does, where this machine can run it
+        real = func(torch.rand(16, 3, 8, 8), torch.rand(16, 3, 8, 8))
+        assert real.untyped_storage().nbytes() == 16 * 3 * 8 * 8 * 4
