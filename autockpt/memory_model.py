@@ -310,7 +310,7 @@ class MemoryModel:
             handed += (stage_b.frame_backward_peak_bytes - stage_b.backward_peak_bytes
                        - stage_b.passing_made_bytes)
         last = (base + self._backward[b] + self._copies[a][b - a] + escaping + handed
-                + (input_grads if a == b else self._grad_copies[a][b - a]))
+                + self._grad_copies[a][b - a] + (input_grads if a == b else 0))
         first = self._backward[a] + self._copies[a][0] + input_grads
         before = (base + 2 * escaping + max(self._backward_max[a][b - a - 1], first)
                   + self._grad_copies[a][b - a] if b > a else 0)
@@ -551,13 +551,14 @@ def _passing_tables(chain: Chain) -> tuple[list[list[int]], list[list[int]], lis
 
 def _grad_copy_table(chain: Chain) -> list[list[int]]:
     """Per segment start ``a`` and offset ``k``, in bytes: the copies of NOTE [ A reentrant
-    segment copies its inputs' gradients ] that a reentrant segment ``a..a+k`` (``k > 0``)
-    makes at its last stage."""
+    segment copies its inputs' gradients ] that a reentrant segment ``a..a+k`` makes at its
+    last stage (a single stage too: the inputs it copies there are long-lived or passing
+    storages, not the tensors crossing into it that ``input_grads`` counts)."""
     count = len(chain.stages)
     at_last = [[0] * (count - a) for a in range(count)]
     for x in (*chain.passing, *chain.long_lived):
         for r in x.view_readers:
-            for a in range(x.producer + 1, r):
+            for a in range(x.producer + 1, r + 1):
                 at_last[a][r - a] += x.size_bytes
     return at_last
 
