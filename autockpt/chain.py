@@ -143,6 +143,13 @@ class Stage:
     frame keeps the gradients it was handed (NOTE [ Reentrant backward ] in
     :mod:`autockpt.memory_model`). 0 where unknown: then those gradients are counted
     whole."""
+    first_backward_peak_bytes: int | None = None
+    """``backward_peak_bytes`` when the stage is the first of a reentrant segment, whose
+    inputs are leaves: with a copy of each input's gradient from where it arrives as the
+    gradient of a reader's output (an add's, a concatenation's slice) to the end of the
+    stage (NOTE [ A reentrant segment copies its inputs' gradients ] in
+    :mod:`autockpt.memory_model`). None where unknown: then every input's gradient is
+    counted on top of ``backward_peak_bytes``."""
 
 
 @dataclass(frozen=True)
@@ -554,6 +561,9 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     received_ckpt: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     # Per node, the gradient bytes of the passing value it makes.
     passing_grads: dict[int, int] = {}
+    # Per stage, (last reader, bytes) of the tensors crossing into it whose gradient a
+    # reentrant checkpoint starting there copies.
+    input_copies: list[list[tuple[int, int]]] = [[] for _ in range(count)]
     for st in profile.storages:
         p = stage_of[st.producer]
         users = sorted({stage_of[u] for u in st.users if u < n - 1})
@@ -595,6 +605,10 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             table = (by_both if by_prev and by_next else by_producer if by_prev
                      else by_reader if by_next else by_neither)
             table[p + 1] += size
+            last_reader = max((u for u in st.users if spans[p + 1][0] <= u < spans[p + 1][1]),
+                              default=None)
+            if last_reader is not None and _hands_output_grad(nodes[last_reader], st.producer):
+                input_copies[p + 1].append((last_reader, size))
             kept = (st.producer, spans[p][1] - 1, size)
             held_plain[p].append(kept if by_prev else (st.producer, end_in_stage, size))
             held_ckpt[p].append((st.producer, end_in_stage, size))
@@ -618,8 +632,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     stages = []
     for s, (lo, hi) in enumerate(spans):
         members = nodes[lo:hi]
-        backward_peak, frame_peak = _backward_walk(internal_spans[s], grads_at, lo, hi,
-                                                   passing_grads)
+        backward_peak, frame_peak, first_peak = _backward_walk(
+            internal_spans[s], grads_at, lo, hi, passing_grads, input_copies[s])
         # Recomputed, each node that updates and saves buffers saves clones of them too.
         clones = [(u, nodes[u].saved_buffer_bytes) for u in range(lo, hi)
                   if nodes[u].saved_buffer_bytes]
@@ -647,6 +661,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             grad_entry_bytes=entry[s], backward_peak_bytes=backward_peak, forward=forward,
             tail_cost=tail_cost, tail_flops=tail_flops, passing_bytes=passing_alive[s],
             passing_made_bytes=made[s], frame_backward_peak_bytes=frame_peak,
+            first_backward_peak_bytes=first_peak,
             recompute_buffer_bytes=sum(size for _, size in clones),
             recompute_backward_extra_bytes=recomputed_peak - backward_peak,
         ))
@@ -660,24 +675,28 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
 
 
 def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None], lo: int,
-                   hi: int, passing_grads: dict[int, int]) -> tuple[int, int]:
+                   hi: int, passing_grads: dict[int, int],
+                   input_copies: Sequence[tuple[int, int]] = ()) -> tuple[int, int, int]:
     """Walk the stage ``lo..hi-1`` backwards: a saved storage (``(first saver, bytes)`` in
     ``spans``) is alive until its first saver has run backward. Returns the most bytes alive
-    with the gradients, and the same with the gradients of the passing values made by the
-    nodes already walked kept (``passing_grads``: bytes by node)."""
+    with the gradients; the same with the gradients of the passing values made by the
+    nodes already walked kept (``passing_grads``: bytes by node); and the same with a copy of
+    each input's gradient from its reader's backward on (``input_copies``: (reader, bytes))."""
     saved_spans = sorted(spans)
     alive = sum(size for _, size in saved_spans)
     k = len(saved_spans)
-    peak = frame_peak = kept = 0
+    peak = frame_peak = first_peak = kept = 0
     for u in range(hi - 1, lo - 1, -1):
+        copied = sum(size for reader, size in input_copies if reader >= u)
         if grads_at[u] is not None:
             peak = max(peak, alive + grads_at[u])
             frame_peak = max(frame_peak, alive + grads_at[u] + kept)
+            first_peak = max(first_peak, alive + grads_at[u] + copied)
         kept += passing_grads.get(u, 0)
         while k and saved_spans[k - 1][0] >= u:
             k -= 1
             alive -= saved_spans[k][1]
-    return peak, frame_peak
+    return peak, frame_peak, first_peak
 
 
 def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,

@@ -188,6 +188,13 @@ class MemoryModel:
         self._escaping_floor = _escaping_floor(self._inside, self._long_lived)
         self._passing_made = _prefix([s.passing_made_bytes for s in stages])
         self._backward = backward
+        # As the first stage of a reentrant segment (NOTE [ A reentrant segment copies its
+        # inputs' gradients ]): the inputs' gradient copies where they live, or all of the
+        # tensors crossing into it on top where the chain does not say.
+        self._backward_first = [
+            backward[t] + cuts[t].crossing_bytes if s.first_backward_peak_bytes is None
+            else backward[t] - s.backward_peak_bytes + s.first_backward_peak_bytes
+            for t, s in enumerate(stages)]
         # The recomputed copies alive while backward runs stage ``a+k`` of a segment from
         # ``a``: those of the long-lived storages made in it and first saved by ``a+k``.
         self._copies = _made_from(chain, lambda x: x.first_saver)
@@ -287,15 +294,16 @@ class MemoryModel:
         # what escapes the segment. At the last stage the gradients crossing out of it are
         # among the stage's own (``backward``), so only the long-lived and passing ones are
         # extra; before it, all are. At the first stage the inputs' gradients are made while
-        # all of that is still alive; they are extra there only (at a later stage the
-        # replay of NOTE [ Gradients in backward ] already counts any partial gradient of
-        # an input; charging them at every stage put 18 of the 180 reentrant plans of
-        # benchmarks/estimate_accuracy.py more than 5% above the measured peak, 13 without).
+        # all of that is still alive; the replay of NOTE [ Gradients in backward ] counts
+        # them as it counts any gradient, and only the copies autograd makes of some of
+        # them are extra (``_backward_first``: NOTE [ A reentrant segment copies its
+        # inputs' gradients ]). Charging every input's gradient at every stage put 18 of
+        # the 180 reentrant plans of benchmarks/estimate_accuracy.py more than 5% above the
+        # measured peak; charging them whole on the first stage's peak, 10.
         cuts = chain.cuts
         inner = (escaping_long_lived + self._outputs[b + 1] - self._outputs[a]
                  + self._passing_made[b + 1] - self._passing_made[a])
         escaping = inner + cuts[b + 1].crossing_bytes
-        input_grads = cuts[a].crossing_bytes
         base = held_now - self._backward_offset[a]
         # Even what the last stage saves of its outputs counts again: ``backward`` frees it
         # once its saver has run, the frame keeps it to the end. The gradients of the
@@ -309,9 +317,9 @@ class MemoryModel:
         if stage_b.frame_backward_peak_bytes:
             handed += (stage_b.frame_backward_peak_bytes - stage_b.backward_peak_bytes
                        - stage_b.passing_made_bytes)
-        last = (base + self._backward[b] + self._copies[a][b - a] + escaping + handed
-                + self._grad_copies[a][b - a] + (input_grads if a == b else 0))
-        first = self._backward[a] + self._copies[a][0] + input_grads
+        last = (base + (self._backward_first[b] if a == b else self._backward[b])
+                + self._copies[a][b - a] + escaping + handed + self._grad_copies[a][b - a])
+        first = self._backward_first[a] + self._copies[a][0]
         before = (base + 2 * escaping + max(self._backward_max[a][b - a - 1], first)
                   + self._grad_copies[a][b - a] if b > a else 0)
         if by_stage:
@@ -319,8 +327,8 @@ class MemoryModel:
             last -= again[b - a]
             if b > a:
                 before = (base + 2 * escaping + self._grad_copies[a][b - a]
-                          + max(self._backward[t] + self._copies[a][t - a] - again[t - a]
-                                + (input_grads if t == a else 0) for t in range(a, b)))
+                          + max((self._backward_first if t == a else self._backward)[t]
+                                + self._copies[a][t - a] - again[t - a] for t in range(a, b)))
         # The recompute makes the outputs crossing out of the last stage in that stage's
         # sweep, with their gradients among those entering it; the long-lived and passing
         # ones made earlier stay alive beside it.
@@ -545,15 +553,23 @@ def _passing_tables(chain: Chain) -> tuple[list[list[int]], list[list[int]], lis
 # diffusers' UNet2DModel's reentrant least-memory plan measured 3.3% (256 KiB, the skip's
 # size) above its estimate. Counting every reader's copy instead (inside the segment too)
 # counted DenseNet's concatenations twice, its reentrant least plan 11.7% above its
-# measured peak. The inputs crossing into the first stage are already counted there
-# (``input_grads``).
+# measured peak.
+#
+# The tensors crossing into the segment's first stage are its inputs in the same way. The
+# stage's backward walk (``Stage.first_backward_peak_bytes``, autockpt/chain.py) adds the
+# copy of each whose last reader in the stage hands it its own output's gradient, from that
+# reader's backward to the end of the stage; a gradient made as new storage becomes the
+# ``.grad`` as it is and is already in the walk. Counting all of them on top of the stage's
+# backward peak instead, which falls mid-stage before most of them exist, put random graph
+# seed 8's least-memory plan 5.5% above its measured peak (tests/test_estimate.py).
 
 
 def _grad_copy_table(chain: Chain) -> list[list[int]]:
     """Per segment start ``a`` and offset ``k``, in bytes: the copies of NOTE [ A reentrant
     segment copies its inputs' gradients ] that a reentrant segment ``a..a+k`` makes at its
     last stage (a single stage too: the inputs it copies there are long-lived or passing
-    storages, not the tensors crossing into it that ``input_grads`` counts)."""
+    storages, not the tensors crossing into it that ``Stage.first_backward_peak_bytes``
+    counts)."""
     count = len(chain.stages)
     at_last = [[0] * (count - a) for a in range(count)]
     for x in (*chain.passing, *chain.long_lived):
