@@ -439,8 +439,7 @@ class MemoryModel:
             peak = max(peak, value)
             held = after + dead - _bytes(escaping)
             pending += escaping
-            if not self.reentrant:  # the second count stays there: see the NOTE below
-                held_passing += [i for i in read if i not in held_passing]
+            held_passing += [i for i in read if i not in held_passing]  # counted once
             follows_segment, t = True, b + 1
         return peak
 
@@ -685,10 +684,12 @@ def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[i
 # held terms of the later ones. In reentrant mode ``segment`` also counts the originals of
 # the storages escaping the segment as alive during its own backward; the walk drops those
 # whose first holder later is a plain stage and keeps those a later segment holds as its
-# input (dropping those too fell 3.5% short of the measured peak on a random graph). Also
-# in reentrant mode a passing storage two segments read is still counted by both: counting
-# it once fell 4.3% short on a random graph (seed 40 of benchmarks/estimate_accuracy.py),
-# something per reading segment being alive there that is not found yet. Every term is the
+# input (dropping those too fell 3.5% short of the measured peak on a random graph). A
+# passing storage two segments read is counted once in both modes. In reentrant mode that
+# fell 4.3% short on random graph seed 40 (benchmarks/estimate_accuracy.py) until the
+# copies of NOTE [ A reentrant segment copies its inputs' gradients ] were counted: what
+# was missing there was a copy autograd makes of an input's gradient, which the second
+# count of the storage had stood in for. Every term is the
 # programme's or lower, so ``plan_peak <= peak`` for every plan (tests/test_optimal.py
 # checks it over all plans of random chains), and the two agree where no storage is
 # long-lived or passing.
@@ -722,8 +723,8 @@ def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[i
 # ``a..b`` (``_passing_in``), a plain stage holds none of them, and while stage ``t`` runs
 # forward the ones made before it and read by it or later are alive (``passing_bytes``).
 # Two segments reading the same storage both count it in the programme, though it is one
-# storage: it over-counts there, never under-counts (a plan's own estimate counts it once in
-# non-reentrant mode: NOTE [ Storages held by the plan ]). Counting them as long-lived instead (held to the end
+# storage: it over-counts there, never under-counts (a plan's own estimate counts it once:
+# NOTE [ Storages held by the plan ]). Counting them as long-lived instead (held to the end
 # of backward whatever the plan) made a DenseNet block's estimate 11% too high without any
 # checkpoint, once the cuts of NOTE [ Block boundaries under skip connections ] let its
 # layers be stages of their own.
