@@ -30,7 +30,7 @@ from tests.random_graphs import (  # noqa: E402
 
 ESTIMATE_TOLERANCE = 0.05
 """The estimate may fall this far below the measured peak, no further."""
-OVER_ESTIMATE = {"non_reentrant": 1.05, "reentrant": 1.08}
+OVER_ESTIMATE = {"non_reentrant": 1.05, "reentrant": 1.05}
 """How far above the measured peak the estimate may be (see the known gaps below)."""
 EXAMPLES = 40
 
@@ -105,11 +105,11 @@ def test_random_graph_trains_exactly_and_is_estimated_well(spec: GraphSpec, mode
             torch.testing.assert_close(got, want)
     measured = autockpt.measure(transformed, args, loss_fn=loss_fn).peak_activation_bytes
     estimated = plan.estimated_peak_bytes
-    # Within 5% in non-reentrant mode (NOTE [ Storages held by the plan ]). A known gap in
-    # reentrant mode, noted on issue 14 (OVER_ESTIMATE): the frame's copies of the outputs
-    # and of their gradients are priced stage by stage, not op by op (on the 60 graphs of
-    # benchmarks/estimate_accuracy.py, 5 of 180 plans are more than 5% above). It never
-    # falls short by more than the budget's slack.
+    # Within 5% in both modes on these examples (NOTE [ Storages held by the plan ]). In
+    # reentrant mode the frame's copies of the outputs and of their gradients are priced
+    # stage by stage, not op by op: on the 60 graphs of benchmarks/estimate_accuracy.py, 5
+    # of 180 reentrant plans are up to 5.4% above (noted on issue 14). It never falls short
+    # by more than the budget's slack.
     low, high = measured * (1 - ESTIMATE_TOLERANCE), measured * OVER_ESTIMATE[mode]
     assert low <= estimated <= high, (
         f"{mode}, {len(plan.segments)} segments: estimated {estimated} B, measured "
