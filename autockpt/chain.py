@@ -51,7 +51,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autockpt.stats import LOSS_OP, NodeStat, Profile, node_cost
+from autockpt.stats import LOSS_OP, NodeStat, Profile, StorageStat, node_cost
 
 __all__ = ["ForwardPeaks", "Stage", "Cut", "Passing", "LongLived", "Chain", "MAX_STAGES",
            "build_chain"]
@@ -561,9 +561,9 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     received_ckpt: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     # Per node, the gradient bytes of the passing value it makes.
     passing_grads: dict[int, int] = {}
-    # Per stage, (last reader, bytes) of the tensors crossing into it whose gradient a
-    # reentrant checkpoint starting there copies.
-    input_copies: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+    # Per node, the bytes of the tensors crossing into its stage whose gradient a reentrant
+    # checkpoint starting there copies, the node being their last reader in the stage.
+    input_copies: dict[int, int] = {}
     for st in profile.storages:
         p = stage_of[st.producer]
         users = sorted({stage_of[u] for u in st.users if u < n - 1})
@@ -572,10 +572,6 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
         last_node = max([u for u in st.users if u < n - 1], default=st.producer)
         end_in_stage = min(last_node, spans[p][1] - 1)
         size = st.size_bytes
-        viewed = tuple(sorted({stage_of[u] for u in st.users
-                               if u < n - 1 and stage_of[u] > p
-                               and _hands_output_grad(nodes[u], st.producer)
-                               and _leaves_its_stage(nodes[u], spans[stage_of[u]][1], n)}))
         if reach > p + 1 and not st.is_output and not savers:
             if nodes[st.producer].requires_grad:
                 passing_grads[st.producer] = nodes[st.producer].grad_bytes
@@ -583,7 +579,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             for t in range(p + 1, reach + 1):
                 passing_alive[t] += size
             passing.append(Passing(producer=p, readers=tuple(u for u in users if u > p),
-                                   size_bytes=size, view_readers=viewed))
+                                   size_bytes=size,
+                                   view_readers=_view_readers(st, nodes, stage_of, spans)))
             span = (st.producer, spans[p][1] - 1, size)
             held_plain[p].append(span)
             held_ckpt[p].append(span)
@@ -594,7 +591,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                 long_lived[p] += size
                 lasting.append(LongLived(producer=p, savers=tuple(savers),
                                          readers=tuple(u for u in users if u > p),
-                                         size_bytes=size, view_readers=viewed))
+                                         size_bytes=size,
+                                         view_readers=_view_readers(st, nodes, stage_of, spans)))
             if savers:
                 long_lived_saved[p] += size
             span = (st.producer, spans[p][1] - 1, size)
@@ -608,7 +606,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             last_reader = max((u for u in st.users if spans[p + 1][0] <= u < spans[p + 1][1]),
                               default=None)
             if last_reader is not None and _hands_output_grad(nodes[last_reader], st.producer):
-                input_copies[p + 1].append((last_reader, size))
+                input_copies[last_reader] = input_copies.get(last_reader, 0) + size
             kept = (st.producer, spans[p][1] - 1, size)
             held_plain[p].append(kept if by_prev else (st.producer, end_in_stage, size))
             held_ckpt[p].append((st.producer, end_in_stage, size))
@@ -633,7 +631,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     for s, (lo, hi) in enumerate(spans):
         members = nodes[lo:hi]
         backward_peak, frame_peak, first_peak = _backward_walk(
-            internal_spans[s], grads_at, lo, hi, passing_grads, input_copies[s])
+            internal_spans[s], grads_at, lo, hi, passing_grads, input_copies)
         # Recomputed, each node that updates and saves buffers saves clones of them too.
         clones = [(u, nodes[u].saved_buffer_bytes) for u in range(lo, hi)
                   if nodes[u].saved_buffer_bytes]
@@ -676,18 +674,19 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
 
 def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None], lo: int,
                    hi: int, passing_grads: dict[int, int],
-                   input_copies: Sequence[tuple[int, int]] = ()) -> tuple[int, int, int]:
+                   input_copies: dict[int, int] | None = None) -> tuple[int, int, int]:
     """Walk the stage ``lo..hi-1`` backwards: a saved storage (``(first saver, bytes)`` in
     ``spans``) is alive until its first saver has run backward. Returns the most bytes alive
     with the gradients; the same with the gradients of the passing values made by the
     nodes already walked kept (``passing_grads``: bytes by node); and the same with a copy of
-    each input's gradient from its reader's backward on (``input_copies``: (reader, bytes))."""
+    each input's gradient from its reader's backward on (``input_copies``: bytes by
+    reader)."""
     saved_spans = sorted(spans)
     alive = sum(size for _, size in saved_spans)
     k = len(saved_spans)
-    peak = frame_peak = first_peak = kept = 0
+    peak = frame_peak = first_peak = kept = copied = 0
     for u in range(hi - 1, lo - 1, -1):
-        copied = sum(size for reader, size in input_copies if reader >= u)
+        copied += (input_copies or {}).get(u, 0)
         if grads_at[u] is not None:
             peak = max(peak, alive + grads_at[u])
             frame_peak = max(frame_peak, alive + grads_at[u] + kept)
@@ -823,6 +822,17 @@ def _sweep(nodes: Sequence[NodeStat], start: int, end: int, spans: list[tuple[in
     if stopped_bytes and ran_to < end:
         peak = max(peak, running + alive[ran_to - start] + stopped_bytes)
     return peak
+
+
+def _view_readers(st: StorageStat, nodes: Sequence[NodeStat], stage_of: Sequence[int],
+                  spans: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """The stages after ``st``'s producer's with a reader that hands it the gradient of an
+    output leaving that stage (:attr:`Passing.view_readers`)."""
+    n, p = len(nodes), stage_of[st.producer]
+    return tuple(sorted({stage_of[u] for u in st.users
+                         if u < n - 1 and stage_of[u] > p
+                         and _hands_output_grad(nodes[u], st.producer)
+                         and _leaves_its_stage(nodes[u], spans[stage_of[u]][1], n)}))
 
 
 def _leaves_its_stage(node: NodeStat, end: int, count: int) -> bool:

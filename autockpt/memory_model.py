@@ -165,23 +165,7 @@ class MemoryModel:
                      + self._long_lived_saved[t] + stages[t].forward.plain_received_bytes
                      for t in range(self.count)]
         self._passing_in, self._passing_done, self._passing_before = _passing_tables(chain)
-        # NOTE [ Handed gradients the replay counts again ]
-# A passing tensor made inside a reentrant segment and read after it leaves the segment as
-# one of its outputs: its gradient, summed by the readers outside, is handed to the
-# checkpoint and kept by its frame to the end of the segment's backward (``escaping``). The
-# replay of NOTE [ Gradients in backward ] counts the same gradient again, as waiting for its
-# producer, in every stage's backward between its producer and its last reader. Inside the
-# segment that second count is the frame's buffer until the last reader inside the segment
-# adds its own part: autograd adds it out of place (the frame still holds the handed one),
-# and from there down to the producer the sum is a buffer of its own, which the replay's
-# count stands for. So from that reader up to the segment's last stage (from the producer's
-# next stage where no reader inside is left) the replay's count is one too many. The terms
-# are per stage, not constants of the segment, so the dynamic programme keeps the
-# conservative price and a plan's own walk (``plan_peak``) takes them off. On random graph
-# seed 20 the one segment was estimated 305,156 B and peaked at 272,396 B; 272,388 B now.
-
-
-# NOTE [ A reentrant segment copies its inputs' gradients ]
+        # NOTE [ A reentrant segment copies its inputs' gradients ]
         self._grad_copies = _grad_copy_table(chain) if self.reentrant else []
         # NOTE [ Long-lived storages inside a segment ]
         self._inside = _made_from(chain, lambda x: x.reach)
@@ -536,6 +520,21 @@ def _passing_tables(chain: Chain) -> tuple[list[list[int]], list[list[int]], lis
     return reads, done, before
 
 
+# NOTE [ Handed gradients the replay counts again ]
+# A passing tensor made inside a reentrant segment and read after it leaves the segment as
+# one of its outputs: its gradient, summed by the readers outside, is handed to the
+# checkpoint and kept by its frame to the end of the segment's backward (``escaping``). The
+# replay of NOTE [ Gradients in backward ] counts the same gradient again, as waiting for its
+# producer, in every stage's backward between its producer and its last reader. Inside the
+# segment that second count is the frame's buffer until the last reader inside the segment
+# adds its own part: autograd adds it out of place (the frame still holds the handed one),
+# and from there down to the producer the sum is a buffer of its own, which the replay's
+# count stands for. So from that reader up to the segment's last stage (from the producer's
+# next stage where no reader inside is left) the replay's count is one too many. The terms
+# are per stage, not constants of the segment, so the dynamic programme keeps the
+# conservative price and a plan's own walk (``plan_peak``) takes them off. On random graph
+# seed 20 the one segment was estimated 305,156 B and peaked at 272,396 B; 272,388 B now.
+
 # NOTE [ A reentrant segment copies its inputs' gradients ]
 # A reentrant checkpoint runs its backward on detached copies of its inputs, leaves whose
 # gradients autograd accumulates into ``.grad`` (AccumulateGrad) and hands back only when the
@@ -711,8 +710,8 @@ def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[i
 # and the descent lowered the least estimate of 10 of the 60 graphs in non-reentrant mode
 # (3 in reentrant), by up to 11%. It is a local search: no bound says how far the least plan
 # under ``plan_peak`` may still be. Measured against every plan of 120 small random chains
-# (tests/test_optimal.py), it is the least on 109 and at most 6.6% above it (non-reentrant;
-# 114 and 3.8% in reentrant mode).
+# (tests/test_optimal.py), it is the least on 109 and at most 6.5% above it (non-reentrant;
+# 114 and 3.7% in reentrant mode).
 
 # NOTE [ Passing storages ]
 # A storage that no node saves, read more than one stage after its producer (a DenseNet layer's

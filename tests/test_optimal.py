@@ -199,8 +199,8 @@ def test_least_plan_is_close_to_the_least_estimate_of_any_plan(mode: str) -> Non
     """How close the least-memory plan comes to the best one under the plan's own estimate,
     which the programme does not optimise exactly (NOTE [ Storages held by the plan ]): on
     120 random chains with long-lived and passing storages, against every single-level
-    plan. Measured: the least on 109 of 120 chains and at most 6.6% above it in
-    non-reentrant mode, the least on 114 and at most 3.8% above in reentrant mode. Without
+    plan. Measured: the least on 109 of 120 chains and at most 6.5% above it in
+    non-reentrant mode, the least on 114 and at most 3.7% above in reentrant mode. Without
     the descent's two-stage moves (``planner._neighbours``) it stopped 12.7% above on one
     chain and off the least on 15 and 10."""
     gaps = []
