@@ -56,10 +56,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
+from typing import NamedTuple
 
 from autockpt.chain import Chain, LongLived
 
-__all__ = ["Ranges", "Tree", "as_tree", "flatten_tree", "tree_depth", "MemoryModel",
+__all__ = ["Ranges", "Tree", "WalkKey", "START", "as_tree", "flatten_tree", "tree_depth", "MemoryModel",
            "estimate_peak", "estimate_tree_peak", "model_of", "segment_cost", "recompute_cost",
            "tree_cost"]
 
@@ -69,6 +70,31 @@ Ranges = tuple[tuple[int, int], ...]
 Tree = tuple[tuple[int, int, "Tree"], ...]
 """Checkpointed stage ranges ``(first, last, inner)``, sorted and disjoint, where ``inner`` is
 the tree of ranges checkpointed again inside ``first..last``."""
+
+
+UNPROMISED, NOT_KEPT, KEPT = 0, 1, 2
+"""What a walk promised about a pending long-lived storage: nothing (made by a plain stage, or
+any storage in non-reentrant mode), that its first holder will be a plain stage, or that it
+will be a checkpointed segment (reentrant mode, NOTE [ Storages held by the plan ])."""
+
+
+class WalkKey(NamedTuple):
+    """Where a walk of :meth:`MemoryModel.plan_peak` stands at a stage, all but its held bytes
+    and peak: every later term is those held bytes plus a number that depends on this key and
+    on the stages to come only."""
+
+    follows_segment: bool
+    """Whether the stage before ends a checkpointed segment."""
+    pending: tuple[tuple[int, int], ...]
+    """The long-lived storages alive in forward and held by nothing yet, as ``(index into
+    chain.long_lived, promise)``, sorted."""
+    held_passing: tuple[int, ...]
+    """The passing storages (indices into ``chain.passing``) a segment already holds and a
+    later stage still reads, sorted."""
+
+
+START = WalkKey(False, (), ())
+"""The key before the first stage."""
 
 
 def as_tree(ranges: Ranges) -> Tree:
@@ -183,9 +209,14 @@ class MemoryModel:
         # ``a``: those of the long-lived storages made in it and first saved by ``a+k``.
         self._copies = _made_from(chain, lambda x: x.first_saver)
         # The long-lived storages by producer, for ``plan_peak``.
-        self._long_lived_made_at: list[list[LongLived]] = [[] for _ in range(self.count)]
-        for x in chain.long_lived:
-            self._long_lived_made_at[x.producer].append(x)
+        self._long_lived_index_at: list[list[int]] = [[] for _ in range(self.count)]
+        for i, x in enumerate(chain.long_lived):
+            self._long_lived_index_at[x.producer].append(i)
+        self._escaping: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._read: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._touched: dict[tuple[int, int], frozenset[int]] = {}
+        self._forward_cache: dict[tuple[int, int, bool], list[int]] = {}
+        self._segment_cache: dict[tuple[int, int, bool], tuple[int, int]] = {}
         self._backward_max = [list(accumulate((backward[a + k] + copies[k]
                                                for k in range(self.count - a)), max))
                               for a, copies in enumerate(self._copies)]
@@ -376,56 +407,169 @@ class MemoryModel:
         """The estimated peak with the single-level ``ranges`` checkpointed, each long-lived
         and passing storage counted only while this plan holds it: never above
         :meth:`peak`, the price the dynamic programmes use (NOTE [ Storages held by the
-        plan ])."""
-        chain = self.chain
+        plan ]). A fold of :meth:`walk_plain` and :meth:`walk_segment`."""
         starts = dict(ranges)
-        made_at = self._long_lived_made_at
-        pending: list[LongLived] = []  # alive in forward, held by nothing yet
-        held_passing: list[int] = []  # indices into chain.passing, held by a segment
+        key: WalkKey | None = START
         peak = held = 0
-        follows_segment = False
         t = 0
         while t < self.count:
+            assert key is not None  # the plan's own lookahead keeps every promise
             b = starts.get(t)
             if b is None:
-                taken = [x for x in pending if t in x.savers]
-                pending = [x for x in pending if t not in x.savers]
-                held += _bytes(taken)
-                forward, backward, after = self.plain_terms(t, follows_segment, held)
-                later = [x for x in made_at[t] if t not in x.savers]
-                forward += _alive(pending, t) - _passing_alive(chain, held_passing, t)
-                peak = max(peak, forward, backward - _bytes(later))
-                held = after - _bytes(later)
-                pending += later
-                follows_segment, t = False, t + 1
-                continue
-            a = t
-            taken = [x for x in pending if _touches(x, a, b)]
-            pending = [x for x in pending if not _touches(x, a, b)]
-            held += _bytes(taken)
-            read = [i for i, x in enumerate(chain.passing)
-                    if x.producer < a and any(a <= r <= b for r in x.readers)]
-            again = sum(chain.passing[i].size_bytes for i in read if i in held_passing)
-            inputs = self.segment_inputs(a, follows_segment)
-            seen = _passing_alive(chain, held_passing, a)
-            for u in range(a, b + 1):
-                peak = max(peak, self.segment_forward(a, u, held - seen + _alive(pending, u),
-                                                      inputs))
-            escaping = [x for made in made_at[a:b + 1] for x in made if x.reach > b]
-            # In reentrant mode ``segment`` counts the originals of the escaping storages
-            # as alive while the segment runs backward; only a later segment that keeps one
-            # as its input keeps it alive so long (NOTE [ Storages held by the plan ]).
+                key, grown, value = self.walk_plain(key, t)  # type: ignore[misc]
+                t += 1
+            else:
+                kept = frozenset(i for i in self.escaping(t, b)
+                                 if _kept_by_a_segment(self.chain.long_lived[i], b, starts))
+                key, grown, value = self.walk_segment(key, t, b, kept)  # type: ignore[misc]
+                t = b + 1
+            peak = max(peak, held + value)
+            held += grown
+        return peak
+
+    def escaping(self, a: int, b: int) -> tuple[int, ...]:
+        """The long-lived storages (indices into ``chain.long_lived``) made in ``a..b`` and
+        read or saved after ``b``."""
+        out = self._escaping.get((a, b))
+        if out is None:
+            out = self._escaping[a, b] = tuple(
+                i for t in range(a, b + 1) for i in self._long_lived_index_at[t]
+                if self.chain.long_lived[i].reach > b)
+        return out
+
+    def walk_plain(self, key: WalkKey, t: int) -> tuple[WalkKey, int, int] | None:
+        """Stage ``t`` left plain, after a walk that reached it in ``key``: the key after it,
+        what it adds to the held bytes, and its peak, both on top of the held bytes before
+        it. None where ``key`` promised that a segment keeps a storage this stage saves
+        first (NOTE [ Storages held by the plan ])."""
+        ll = self.chain.long_lived
+        taken = rest = ()
+        taken_bytes = 0
+        if key.pending:
+            taken_list, rest_list = [], []
+            for entry in key.pending:
+                (taken_list if t in ll[entry[0]].savers else rest_list).append(entry)
+            if any(promise == KEPT for _, promise in taken_list):
+                return None
+            taken, rest = tuple(taken_list), tuple(rest_list)
+            taken_bytes = sum(ll[i].size_bytes for i, _ in taken)
+        forward, backward, after = self.plain_terms(t, key.follows_segment, taken_bytes)
+        later = [i for i in self._long_lived_index_at[t] if t not in ll[i].savers]
+        later_bytes = sum(ll[i].size_bytes for i in later)
+        forward += (sum(ll[i].size_bytes for i, _ in rest if ll[i].producer < t <= ll[i].reach)
+                    - _passing_alive(self.chain, key.held_passing, t))
+        value = max(forward, backward - later_bytes)
+        following = self._normalized(False, rest + tuple((i, UNPROMISED) for i in later),
+                                     key.held_passing, t + 1)
+        if following is None:
+            return None
+        return following, after - later_bytes, value
+
+    def walk_segment(self, key: WalkKey, a: int, b: int, kept: frozenset[int] = frozenset()
+                     ) -> tuple[WalkKey, int, int] | None:
+        """Stages ``a..b`` checkpointed, as :meth:`walk_plain`. ``kept`` (reentrant mode): the
+        storages of :meth:`escaping` whose first holder after ``b`` is a checkpointed segment
+        that reads them, a promise the key carries until a holder keeps or breaks it. None
+        where ``key`` promised the opposite for a storage the segment reads."""
+        return self.walk_segment_promising(key, a, b, (kept,))[0]
+
+    def walk_segment_promising(self, key: WalkKey, a: int, b: int,
+                               promises: Sequence[frozenset[int]]
+                               ) -> list[tuple[WalkKey, int, int] | None]:
+        """:meth:`walk_segment` for each of ``promises``, sharing what they have in common."""
+        chain, ll = self.chain, self.chain.long_lived
+        touched = self._touched_by(a, b)
+        taken_list, rest_list = [], []
+        for entry in key.pending:
+            (taken_list if entry[0] in touched else rest_list).append(entry)
+        if any(promise == NOT_KEPT for _, promise in taken_list):
+            return [None] * len(promises)
+        rest = tuple(rest_list)
+        held = sum(ll[i].size_bytes for i, _ in taken_list)
+        read = self._passing_read(a, b)
+        again = sum(chain.passing[i].size_bytes for i in read if i in key.held_passing)
+        follows = key.follows_segment
+        inputs = self.segment_inputs(a, follows)
+        seen = _passing_alive(chain, key.held_passing, a)
+        forward = self._forward0(a, b, follows)
+        if rest:
+            alive = [(ll[i].producer, ll[i].reach, ll[i].size_bytes) for i, _ in rest]
+            forward = [f + sum(size for producer, reach, size in alive
+                               if producer < u <= reach)
+                       for u, f in enumerate(forward, start=a)]
+        value = held - seen + max(forward)
+        escaping = self.escaping(a, b)
+        escaping_bytes = sum(ll[i].size_bytes for i in escaping)
+        held_passing = key.held_passing + tuple(i for i in read if i not in key.held_passing)
+        total0, after0 = self._segment0(a, b, follows, inputs)
+        out: list[tuple[WalkKey, int, int] | None] = []
+        for kept in promises:
+            # In reentrant mode ``segment`` counts the originals of the escaping storages as
+            # alive while the segment runs backward; only a later segment that keeps one as
+            # its input keeps it alive so long (NOTE [ Storages held by the plan ]).
             dead = 0
             if self.reentrant:
-                dead = _bytes([x for x in escaping if not _kept_by_a_segment(x, b, starts)])
-            value, after, _ = self.segment(a, b, held - again - dead, inputs,
-                                           by_stage=self.reentrant)
-            peak = max(peak, value)
-            held = after + dead - _bytes(escaping)
-            pending += escaping
-            held_passing += [i for i in read if i not in held_passing]  # counted once
-            follows_segment, t = True, b + 1
-        return peak
+                dead = sum(ll[i].size_bytes for i in escaping if i not in kept)
+                made = tuple((i, KEPT if i in kept else NOT_KEPT) for i in escaping)
+            else:
+                made = tuple((i, UNPROMISED) for i in escaping)
+            base = held - again - dead  # ``segment`` is this plus its price on nothing held
+            following = self._normalized(True, rest + made, held_passing, b + 1)
+            out.append(None if following is None else
+                       (following, base + after0 + dead - escaping_bytes,
+                        max(value, base + total0)))
+        return out
+
+    def _touched_by(self, a: int, b: int) -> frozenset[int]:
+        """The long-lived storages (indices) a stage of ``a..b`` after their producer reads
+        or saves."""
+        out = self._touched.get((a, b))
+        if out is None:
+            out = self._touched[a, b] = frozenset(
+                i for i, x in enumerate(self.chain.long_lived) if _touches(x, a, b))
+        return out
+
+    def _forward0(self, a: int, b: int, follows: bool) -> list[int]:
+        """The forward peaks of stages ``a..b`` of a segment, on nothing held."""
+        out = self._forward_cache.get((a, b, follows))
+        if out is None:
+            inputs = self.segment_inputs(a, follows)
+            out = self._forward_cache[a, b, follows] = [
+                self.segment_forward(a, u, 0, inputs) for u in range(a, b + 1)]
+        return out
+
+    def _segment0(self, a: int, b: int, follows: bool, inputs: int) -> tuple[int, int]:
+        """:meth:`segment`'s peak and held bytes after it, on nothing held, as a walk prices
+        it (by stage in reentrant mode)."""
+        out = self._segment_cache.get((a, b, follows))
+        if out is None:
+            total, after, _ = self.segment(a, b, 0, inputs, by_stage=self.reentrant)
+            out = self._segment_cache[a, b, follows] = (total, after)
+        return out
+
+    def _passing_read(self, a: int, b: int) -> tuple[int, ...]:
+        """The passing storages (indices) made before ``a`` and read in ``a..b``."""
+        out = self._read.get((a, b))
+        if out is None:
+            out = self._read[a, b] = tuple(
+                i for i, x in enumerate(self.chain.passing)
+                if x.producer < a and any(a <= r <= b for r in x.readers))
+        return out
+
+    def _normalized(self, follows_segment: bool, pending: tuple[tuple[int, int], ...],
+                    held_passing: tuple[int, ...], t: int) -> WalkKey | None:
+        """The key at stage ``t``: only what a later stage can still see, in a canonical
+        order, so that walks that differ only in what is over compare equal. None where a
+        storage dies promised to a segment that never came."""
+        ll, passing = self.chain.long_lived, self.chain.passing
+        alive = []
+        for entry in pending:
+            if ll[entry[0]].reach >= t:
+                alive.append(entry)
+            elif entry[1] == KEPT:
+                return None
+        return WalkKey(follows_segment, tuple(sorted(alive)),
+                       tuple(sorted(i for i in held_passing if passing[i].readers[-1] >= t)))
 
     def nested_backward(self, a: int, b: int, inner: Tree, outside: int) -> int:
         """Peak of the recompute and backward of segment ``a..b`` with ``inner`` checkpointed
@@ -577,15 +721,6 @@ def _grad_copy_table(chain: Chain) -> list[list[int]]:
     return at_last
 
 
-def _bytes(storages: Sequence[LongLived]) -> int:
-    return sum(x.size_bytes for x in storages)
-
-
-def _alive(pending: Sequence[LongLived], t: int) -> int:
-    """Bytes of ``pending`` alive in forward while stage ``t`` runs."""
-    return sum(x.size_bytes for x in pending if x.producer < t <= x.reach)
-
-
 def _touches(x: LongLived, a: int, b: int) -> bool:
     """Whether a stage of ``a..b`` after ``x``'s producer reads or saves it."""
     return any(a <= s <= b for s in (*x.savers, *x.readers) if s > x.producer)
@@ -699,19 +834,20 @@ def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[i
 # the model; now ``Stage.recompute_buffer_bytes``); with them the plan is estimated to 4 B.
 #
 # The programme still chooses by ``peak`` (its state would otherwise have to carry which
-# storages are pending and which are held). Its least-peak plan is then improved step by
-# step under ``plan_peak`` (``planner._descend``: grow, shrink, shift, split, join, drop or
-# add a segment, or move the boundary between two, while the estimate falls), and that
-# plan's ``plan_peak`` is what autockpt reports
-# as the least reachable; a budget between it and the programme's least is met by it
-# (``planner._optimal``). On the random graphs of benchmarks/estimate_accuracy.py this took
-# the largest non-reentrant estimate from 1.065 to 1.041 of the measured peak (reentrant
-# 1.134 to 1.090, with the reentrant changes of NOTE [ Reentrant backward ]), none below it,
-# and the descent lowered the least estimate of 10 of the 60 graphs in non-reentrant mode
-# (3 in reentrant), by up to 11%. It is a local search: no bound says how far the least plan
-# under ``plan_peak`` may still be. Measured against every plan of 120 small random chains
-# (tests/test_optimal.py), it is the least on 109 and at most 6.5% above it (non-reentrant;
-# 114 and 3.7% in reentrant mode).
+# storages are pending and which are held). Its least-peak plan is improved step by step under
+# ``plan_peak`` (``planner._descend``: grow, shrink, shift, split, join, drop or add a segment,
+# or move the boundary between two, while the estimate falls), and with that plan's estimate
+# as an upper bound, the search of NOTE [ An exact search under the plan's own estimate ] (in
+# :mod:`autockpt.plan_search`) finds the least estimate of any single-level plan: a programme
+# whose state does carry them (``WalkKey``). Under a budget the same search, bounded by the
+# recompute of the programme's plan, finds the least recompute of any plan whose estimate
+# fits. The descent alone stopped above the least on 11 of 120 small random chains (up to
+# 6.5%, non-reentrant) and 6 (3.7%, reentrant); the programme alone recomputed up to 32% more
+# than needed under a budget (torchvision's densenet121 at 75% of the baseline). Where the
+# search gives up (too many states), the descent's plan and the programme's are kept.
+# On the random graphs of benchmarks/estimate_accuracy.py the walk's single count took the
+# largest non-reentrant estimate from 1.065 to 1.041 of the measured peak (reentrant 1.134
+# to 1.090, with the reentrant changes of NOTE [ Reentrant backward ]), none below it.
 
 # NOTE [ Passing storages ]
 # A storage that no node saves, read more than one stage after its producer (a DenseNet layer's

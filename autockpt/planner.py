@@ -35,6 +35,7 @@ from autockpt.memory_model import (Ranges, Tree, as_tree, estimate_peak, estimat
                                    flatten_tree, recompute_cost, tree_depth)
 from autockpt.nested import nested_plans
 from autockpt.optimal import least_peak, optimal_ranges
+from autockpt.plan_search import search_plan
 from autockpt.report import format_plan
 from autockpt.stats import LOSS_OP, ChunkedHead, LossStat, NodeStat, Profile
 
@@ -311,6 +312,16 @@ def _descend(chain: Chain, ranges: Ranges, mode: str) -> Ranges:
         ranges = found
 
 
+def _least_estimate(chain: Chain, ranges: Ranges, mode: str) -> Ranges:
+    """The plan of least estimate (then least recompute), from the programme's least-peak
+    plan ``ranges``: exactly where the search of NOTE [ An exact search under the plan's own
+    estimate ] (:mod:`autockpt.plan_search`) finishes, bounded by the local search's plan;
+    that plan where it gives up."""
+    descended = _descend(chain, ranges, mode)
+    exact = search_plan(chain, mode, bound=estimate_peak(chain, descended, mode))
+    return exact[0] if exact is not None else descended
+
+
 Strategy = Callable[[Chain, "int | None", str, bool], "tuple[Tree | None, int]"]
 """``strategy(chain, budget_bytes, mode, nesting) -> (tree or None if the budget cannot be
 met, least peak the strategy reaches)``; ``budget_bytes=None`` asks for the least peak;
@@ -364,7 +375,7 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
         least = optimal_ranges(chain, None, mode)
         assert least is not None  # checkpointing nothing is always a choice
         programme_least = least[1]
-        least_ranges = least[0] if agree else _descend(chain, least[0], mode)
+        least_ranges = least[0] if agree else _least_estimate(chain, least[0], mode)
         min_peak = estimate_peak(chain, least_ranges, mode)
     if budget is not None:
         if budget >= estimate_peak(chain, (), mode):
@@ -372,9 +383,17 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
         if budget >= programme_least:
             found = optimal_ranges(chain, budget, mode)
             assert found is not None  # the least-peak plan fits
-            return as_tree(found[0]), min_peak
-        if budget >= min_peak:  # below the programme's least: only where they disagree
-            return as_tree(least_ranges), min_peak
+            ranges = found[0]
+        elif budget >= min_peak:  # below the programme's least: only where they disagree
+            ranges = least_ranges
+        else:
+            ranges = None
+        if ranges is not None:
+            if not agree:  # a plan that recomputes less may fit under its own estimate
+                exact = search_plan(chain, mode, budget=budget,
+                                    bound=recompute_cost(chain, ranges, mode))
+                ranges = exact[0] if exact is not None else ranges
+            return as_tree(ranges), min_peak
     if not nesting or mode != "non_reentrant":
         return (as_tree(least_ranges) if budget is None else None), min_peak
     found_nested = [item for item in nested_plans(chain, min_peak) if tree_depth(item[2]) > 1]
