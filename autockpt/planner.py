@@ -318,8 +318,26 @@ def _least_estimate(chain: Chain, ranges: Ranges, mode: str) -> Ranges:
     estimate ] (:mod:`autockpt.plan_search`) finishes, bounded by the local search's plan;
     that plan where it gives up."""
     descended = _descend(chain, ranges, mode)
+    if mode not in SEARCHED_MODES:
+        return descended
     exact = search_plan(chain, mode, bound=estimate_peak(chain, descended, mode))
     return exact[0] if exact is not None else descended
+
+
+SEARCHED_MODES = ("non_reentrant",)
+"""The modes whose plans come from the exact search (NOTE [ Reentrant plans are not searched
+exactly yet ])."""
+
+# NOTE [ Reentrant plans are not searched exactly yet ]
+# The search is exact for the estimate in both modes (tests/test_plan_search.py), but an
+# exact optimiser finds the plans where the estimate is most wrong in its favour. In
+# non-reentrant mode that did no harm: on the 60 random graphs of
+# benchmarks/estimate_accuracy.py every plan it chose is estimated 1.000-1.040 of its
+# measured peak. In reentrant mode 8 of the 180 were estimated below their measured peak, by
+# up to 6.1% (seeds 0, 40, 48, 49, 51; 8 KiB, one of their storages, short each time), and
+# one 10% above it, where the local search's plans were all within 0-5.1%. Until the
+# reentrant model is exact on those plans, reentrant mode keeps the local search's plan and
+# the programme's.
 
 
 Strategy = Callable[[Chain, "int | None", str, bool], "tuple[Tree | None, int]"]
@@ -389,7 +407,8 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
         else:
             ranges = None
         if ranges is not None:
-            if not agree:  # a plan that recomputes less may fit under its own estimate
+            if not agree and mode in SEARCHED_MODES:
+                # A plan that recomputes less may fit under its own estimate.
                 exact = search_plan(chain, mode, budget=budget,
                                     bound=recompute_cost(chain, ranges, mode))
                 ranges = exact[0] if exact is not None else ranges
