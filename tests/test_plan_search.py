@@ -164,3 +164,34 @@ def test_a_broken_promise_ends_the_walk() -> None:
             assert ends[0] is None and ends[1] is not None
             return
     pytest.fail("no chain had a long-lived storage saved again after its producer")
+
+
+def test_on_densenet121_it_finishes_and_recomputes_less_than_the_programme() -> None:
+    """A real model with many skip tensors (torchvision's densenet121, 2 images at 32x32):
+    the search finishes in both modes, its least estimate is no higher than the local
+    search's, and under a budget at 75% of the baseline it finds a plan that recomputes
+    less than the programme's, which prices skip tensors wherever a plan could hold them
+    (measured: 32% less in non-reentrant mode)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchvision")
+    from tests.skip_models import densenet121
+    from tests.test_optimal import _profiled_chain
+
+    torch.manual_seed(0)
+    chain = _profiled_chain(densenet121().train(), torch.randn(2, 3, 32, 32))
+    assert chain.passing  # the concatenated features: what the search is for
+    for mode in MODES:
+        programme = optimal_ranges(chain, None, mode)
+        assert programme is not None
+        descended = _descend(chain, programme[0], mode)
+        least = search_plan(chain, mode, bound=estimate_peak(chain, descended, mode))
+        assert least is not None, mode
+        assert least[1] <= estimate_peak(chain, descended, mode)
+        budget = estimate_peak(chain, (), mode) * 3 // 4
+        fitting = optimal_ranges(chain, budget, mode)
+        assert fitting is not None
+        cost = recompute_cost(chain, fitting[0], mode)
+        found = search_plan(chain, mode, budget=budget, bound=cost)
+        assert found is not None, mode
+        assert found[1] == estimate_peak(chain, found[0], mode) <= budget
+        assert recompute_cost(chain, found[0], mode) < cost, mode
