@@ -45,6 +45,7 @@ from itertools import combinations
 
 from autockpt.chain import Chain
 from autockpt.memory_model import START, MemoryModel, Ranges, WalkKey, model_of, segment_cost
+from autockpt.optimal import _Path, _ranges  # the same linked list of chosen blocks
 
 __all__ = ["MAX_ENTRIES", "MAX_KEYS", "MAX_PROMISED", "search_plan"]
 
@@ -58,7 +59,6 @@ MAX_PROMISED = 8
 """The most long-lived storages escaping one reentrant segment whose promises are tried (2 to
 this many variants of the segment); with more, the search gives up."""
 
-_Path = tuple[tuple[int, int], "_Path | None"]
 _Entry = tuple[int, int, int, "_Path | None"]
 """A frontier entry: ``(held bytes, peak, score, path)``; the score is the recompute cost
 times :data:`_PER_COST` plus the number of segments, so that of two plans that recompute as
@@ -225,10 +225,3 @@ def _pareto_cost(entries: list[_Entry]) -> list[_Entry]:
             least = entry[2]
     return kept
 
-
-def _ranges(path: _Path | None) -> Ranges:
-    out = []
-    while path is not None:
-        out.append(path[0])
-        path = path[1]
-    return tuple(reversed(out))
