@@ -334,15 +334,16 @@ exactly yet ])."""
 # non-reentrant mode that did no harm: on the 60 random graphs of
 # benchmarks/estimate_accuracy.py every plan it chose is estimated 1.000-1.040 of its
 # measured peak. In reentrant mode 8 of the 180 were estimated below their measured peak, by
-# up to 6.1% (seeds 0, 40, 48, 49, 51; 8 KiB, one of their storages, short each time), and
+# up to 6.1% (seeds 0, 40, 48, 49, 51; one of their storages short each time), and
 # one 10% above it, where the local search's plans were all within 0-5.1%. Until the
 # reentrant model is exact on those plans, reentrant mode keeps the local search's plan and
-# the programme's. Traced so far: on seed 48 the shortfall is NOTE [ Handed gradients the
-# replay counts again ] taken off at the segment's last stage, where the measured peak (the
-# first op of that stage's backward) still holds both (not taking it off at the last stage
-# makes seeds 0 and 48 exact and keeps seed 20's regression test, but is not understood yet);
-# on seed 49 it is the copy of NOTE [ A reentrant segment copies its inputs' gradients ]
-# made in the middle of a segment, where the model assumes it replaces the base it views.
+# the programme's. Traced so far: on seeds 0, 48 and 49 the shortfall was NOTE [ Handed
+# gradients the replay counts again ] taken off where the gradient is handed as a view
+# (fixed). With that, the search's reentrant plans are 4.3% (seed 40) and 5.2% (seed 51)
+# below their measured peaks and 13 of 180 more than 5% above (up to 10%, seed 18). On seed
+# 51 the missing 32 KiB is a copy made at the very start of a segment's inner backward
+# (``new_empty_strided`` and ``copy_`` before its first backward op), in a segment that reads
+# a skip tensor the segment before it reads too; not traced further.
 
 
 Strategy = Callable[[Chain, "int | None", str, bool], "tuple[Tree | None, int]"]

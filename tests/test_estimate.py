@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import autockpt
+from autockpt import planner
 from tests import random_graphs as graphs
 from tests.zoo import CASES, ZooCase
 
@@ -93,10 +94,10 @@ def test_recompute_clones_of_batchnorm_statistics_are_counted(mode: str) -> None
 
 
 def _least_reentrant_estimate(layers: tuple[tuple[tuple[int, ...], str, str, bool], ...],
-                              inputs: int) -> tuple[autockpt.Plan, int]:
-    """The least-memory reentrant plan of a random graph (tests/random_graphs.py; batch 256,
-    inputs that do not require grad) and the peak its step measures."""
-    spec = graphs.GraphSpec(inputs=inputs, inputs_require_grad=False, batch=256, layers=tuple(
+                              inputs: int, batch: int = 256) -> tuple[autockpt.Plan, int]:
+    """The least-memory reentrant plan of a random graph (tests/random_graphs.py; inputs that
+    do not require grad) and the peak its step measures."""
+    spec = graphs.GraphSpec(inputs=inputs, inputs_require_grad=False, batch=batch, layers=tuple(
         graphs.LayerSpec(reads=r, combine=c, op=o, frozen=f) for r, c, o, f in layers))
     args, loss_fn = graphs.example_inputs(spec), graphs.cross_entropy(spec)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -140,5 +141,28 @@ def test_a_reentrant_segment_does_not_count_its_handed_gradients_twice() -> None
               ((8,), "sum", "linear_relu", True), ((9,), "sum", "norm", False))
     plan, measured = _least_reentrant_estimate(layers, inputs=3)
     assert sum(s.checkpointed for s in plan.segments) == 1
+    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
+        plan.estimated_peak_bytes, measured)
+
+
+def test_a_gradient_handed_as_a_view_is_not_taken_off_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Handed gradients the replay counts again ], the exception: a skip tensor made
+    inside a reentrant segment and read after it by one concatenation only is handed its
+    gradient as a slice of that concatenation's, whose base the replay already counts; the
+    frame's count of it is not a second one. Taking it off anyway put the plan the exact
+    search finds for random graph seed 48 of benchmarks/estimate_accuracy.py 6.1% below its
+    measured peak (125,444 against 133,644 B). Reentrant plans come from the local search
+    (NOTE [ Reentrant plans are not searched exactly yet ]); the search is switched on here
+    to reach that plan."""
+    monkeypatch.setattr(planner, "SEARCHED_MODES", ("non_reentrant", "reentrant"))
+    layers = (((2,), "gate", "mlp", False), ((1, 3), "gate", "tanh", False),
+              ((4,), "gate", "linear", False), ((1, 5), "gate", "dropout", False),
+              ((6,), "cat", "linear_relu", True), ((7,), "cat", "linear", False),
+              ((2, 8), "sum", "linear", False), ((4, 5, 9), "gate", "norm", True),
+              ((10,), "cat", "norm", False), ((11,), "gate", "norm", False),
+              ((12,), "cat", "mlp", False), ((13,), "sum", "tanh", False),
+              ((0, 14), "cat", "linear", False), ((9, 15), "cat", "mlp", True))
+    plan, measured = _least_reentrant_estimate(layers, inputs=3, batch=64)
     assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
         plan.estimated_peak_bytes, measured)
