@@ -850,8 +850,9 @@ def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[i
 # whose state does carry them (``WalkKey``). Under a budget the same search, bounded by the
 # recompute of the programme's plan, finds the least recompute of any plan whose estimate
 # fits. The descent alone stopped above the least on 11 of 120 small random chains (up to
-# 6.5%, non-reentrant) and 6 (3.7%, reentrant); the programme alone recomputed up to 32% more
-# than needed under a budget (torchvision's densenet121 at 75% of the baseline). Where the
+# 6.5%, non-reentrant) and 6 (3.7%, reentrant); under a budget the search's plan recomputed
+# up to 32% less than the programme's (torchvision's densenet121 at 75% of the baseline;
+# 46% more than needed, the other way round). Where the
 # search gives up (too many states), and in reentrant mode (NOTE [ Reentrant plans are not
 # searched exactly yet ] in :mod:`autockpt.planner`), the descent's plan and the
 # programme's are kept.
