@@ -53,8 +53,8 @@ from dataclasses import dataclass
 
 from autockpt.stats import LOSS_OP, NodeStat, Profile, StorageStat, node_cost
 
-__all__ = ["ForwardPeaks", "Stage", "Cut", "Passing", "LongLived", "Chain", "MAX_STAGES",
-           "build_chain"]
+__all__ = ["ForwardPeaks", "Stage", "Cut", "Passing", "LongLived", "SharedGradient", "Chain",
+           "MAX_STAGES", "build_chain"]
 
 
 @dataclass(frozen=True)
@@ -234,6 +234,31 @@ class LongLived:
 
 
 @dataclass(frozen=True)
+class SharedGradient:
+    """A node that hands the gradient of its output, unchanged or as a view, to passing or
+    long-lived storages made in earlier stages (an add of two skip tensors, a concatenation).
+    A reentrant segment that reads them as inputs copies some of those gradients into their
+    ``.grad`` (NOTE [ A reentrant segment copies its inputs' gradients ] in
+    :mod:`autockpt.memory_model`)."""
+
+    stage: int
+    """The node's stage."""
+    output_reach: int
+    """The last stage that reads the node's output (the number of stages where it is the
+    model's output): a segment ending before it is handed that gradient by its frame."""
+    output_grad_bytes: int
+    """Bytes of the gradient of its output: the one buffer the replay counts for all of
+    them (NOTE [ Gradients in backward ])."""
+    inputs: tuple[tuple[int, int], ...]
+    """Per passing or long-lived storage it hands the gradient to: (the stage that makes it,
+    its bytes)."""
+    sharers: tuple[int, ...]
+    """The stages that make the values it hands the gradient to, these storages or others,
+    ascending: a value made inside a segment holds that gradient until its producer has run
+    backward."""
+
+
+@dataclass(frozen=True)
 class Chain:
     """A graph restated as a chain of stages, in plain numbers.
 
@@ -249,6 +274,9 @@ class Chain:
     """The passing storages, by producer."""
     long_lived: tuple[LongLived, ...] = ()
     """The long-lived storages that are not the model's output, by producer."""
+    shared_gradients: tuple[SharedGradient, ...] = ()
+    """The nodes that hand their output's gradient to passing or long-lived storages, in
+    graph order."""
 
 
 # --------------------------------------------------------------------------- building
@@ -564,6 +592,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     # Per node, the bytes of the tensors crossing into its stage whose gradient a reentrant
     # checkpoint starting there copies, the node being their last reader in the stage.
     input_copies: dict[int, int] = {}
+    # By producing node, the bytes of the passing and long-lived storages (SharedGradient).
+    skip_bytes: dict[int, int] = {}
     for st in profile.storages:
         p = stage_of[st.producer]
         users = sorted({stage_of[u] for u in st.users if u < n - 1})
@@ -578,6 +608,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             made[p] += size
             for t in range(p + 1, reach + 1):
                 passing_alive[t] += size
+            skip_bytes[st.producer] = skip_bytes.get(st.producer, 0) + size
             passing.append(Passing(producer=p, readers=tuple(u for u in users if u > p),
                                    size_bytes=size,
                                    view_readers=_view_readers(st, nodes, stage_of, spans)))
@@ -589,6 +620,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                 outputs[p] += size
             else:
                 long_lived[p] += size
+                skip_bytes[st.producer] = skip_bytes.get(st.producer, 0) + size
                 lasting.append(LongLived(producer=p, savers=tuple(savers),
                                          readers=tuple(u for u in users if u > p),
                                          size_bytes=size,
@@ -669,7 +701,34 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                                 saved_by_both_bytes=by_both[c],
                                 saved_by_neither_bytes=by_neither[c])
                             for c in range(count + 1)),
-                 passing=tuple(passing), long_lived=tuple(lasting))
+                 passing=tuple(passing), long_lived=tuple(lasting),
+                 shared_gradients=_shared_gradients(nodes, stage_of, skip_bytes, count))
+
+
+def _shared_gradients(nodes: Sequence[NodeStat], stage_of: Sequence[int],
+                      skip_bytes: dict[int, int], count: int) -> tuple[SharedGradient, ...]:
+    """The nodes that hand their output's gradient to a passing or long-lived storage made
+    in an earlier stage (``skip_bytes``: their bytes by producing node), in graph order."""
+    n = len(nodes)
+    out = []
+    for u, node in enumerate(nodes[:n - 1]):
+        handed = [i for i in dict.fromkeys(i for i, grad in zip(node.inputs,
+                                                                 node.input_grad_bytes)
+                                           if grad == 0)
+                  if nodes[i].requires_grad]
+        r = stage_of[u]
+        inputs = tuple((stage_of[i], skip_bytes[i]) for i in handed
+                       if i in skip_bytes and stage_of[i] < r)
+        if not node.requires_grad or not inputs:
+            continue
+        # The graph's output node (``n - 1``) reads it: the model's output, read after
+        # every stage.
+        readers = [stage_of[v] for v in node.users if v < n - 1]
+        reach = max(readers) if readers and len(readers) == len(node.users) else count
+        out.append(SharedGradient(stage=r, output_reach=reach,
+                                  output_grad_bytes=node.grad_bytes, inputs=inputs,
+                                  sharers=tuple(sorted(stage_of[i] for i in handed))))
+    return tuple(out)
 
 
 def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None], lo: int,

@@ -318,32 +318,24 @@ def _least_estimate(chain: Chain, ranges: Ranges, mode: str) -> Ranges:
     estimate ] (:mod:`autockpt.plan_search`) finishes, bounded by the local search's plan;
     that plan where it gives up."""
     descended = _descend(chain, ranges, mode)
-    if mode not in SEARCHED_MODES:
-        return descended
     exact = search_plan(chain, mode, bound=estimate_peak(chain, descended, mode))
     return exact[0] if exact is not None else descended
 
 
-SEARCHED_MODES = ("non_reentrant",)
-"""The modes whose plans come from the exact search (NOTE [ Reentrant plans are not searched
-exactly yet ])."""
-
-# NOTE [ Reentrant plans are not searched exactly yet ]
-# The search is exact for the estimate in both modes (tests/test_plan_search.py), but an
-# exact optimiser finds the plans where the estimate is most wrong in its favour. In
+# NOTE [ Searched plans and the reentrant estimate ]
+# An exact optimiser finds the plans where the estimate is most wrong in its favour. In
 # non-reentrant mode that did no harm: on the 60 random graphs of
 # benchmarks/estimate_accuracy.py every plan it chose is estimated 1.000-1.040 of its
-# measured peak. In reentrant mode 8 of the 180 were estimated below their measured peak, by
-# up to 6.1% (seeds 0, 40, 48, 49, 51; one of their storages short each time), and
-# one 10% above it, where the local search's plans were all within 0-5.1%. Until the
-# reentrant model is exact on those plans, reentrant mode keeps the local search's plan and
-# the programme's. Traced so far: on seeds 0, 48 and 49 the shortfall was NOTE [ Handed
-# gradients the replay counts again ] taken off where the gradient is handed as a view
-# (fixed). With that, the search's reentrant plans are 4.3% (seed 40) and 5.2% (seed 51)
-# below their measured peaks and 13 of 180 more than 5% above (up to 10%, seed 18). On seed
-# 51 the missing 32 KiB is a copy made at the very start of a segment's inner backward
-# (``new_empty_strided`` and ``copy_`` before its first backward op), in a segment that reads
-# a skip tensor the segment before it reads too; not traced further.
+# measured peak. In reentrant mode 8 of the 180 were first estimated below their measured
+# peaks, by up to 6.1%, so for a while reentrant plans kept the local search's. The
+# shortfalls, traced op by op: a skip tensor's gradient handed as a view taken off as if
+# counted twice (seeds 0, 48, 49; NOTE [ Handed gradients the replay counts again ]); an add
+# of two of a segment's inputs, whose gradient autograd copies for one of them (seeds 40, 51;
+# NOTE [ Gradients shared by a reentrant segment's inputs ]). With those counted, and a
+# recomputed output saved inside its segment no longer counted twice (seed 18, 10% above),
+# none of the searched plans is below its measured peak and 7 of 180 are 5.4-6.1% above it;
+# the least memory measured is lower than the local search's on 19 of the 60 graphs (by up
+# to 11.8%) and higher on none.
 
 
 Strategy = Callable[[Chain, "int | None", str, bool], "tuple[Tree | None, int]"]
@@ -413,7 +405,7 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
         else:
             ranges = None
         if ranges is not None:
-            if not agree and mode in SEARCHED_MODES:
+            if not agree:
                 # A plan that recomputes less may fit under its own estimate.
                 exact = search_plan(chain, mode, budget=budget,
                                     bound=recompute_cost(chain, ranges, mode))

@@ -1,9 +1,8 @@
 """The exact search under a plan's own estimate (NOTE [ An exact search under the plan's own
 estimate ] in autockpt.plan_search): on chains small enough to enumerate every single-level
 plan, with long-lived and passing storages, what it finds is what brute force over
-``estimate_peak`` finds, with no budget and under budgets, in both modes; in non-reentrant
-mode the planner's plans are those; and where the search gives up, the planner keeps its
-local search."""
+``estimate_peak`` finds, with no budget and under budgets, in both modes; the planner's plans
+are those; and where the search gives up, the planner keeps its local search."""
 
 from __future__ import annotations
 
@@ -87,12 +86,11 @@ def test_a_bound_keeps_the_answer_and_prunes_what_is_above_it(mode: str) -> None
             assert search_plan(chain, mode, budget=budget, bound=cost - 1) is None
 
 
-def test_the_planner_reports_the_least_estimate_of_any_plan() -> None:
-    """Non-reentrant mode (NOTE [ Reentrant plans are not searched exactly yet ] in
-    autockpt.planner): the optimal strategy's least-memory plan is the least estimate of
-    every single-level plan, on the 120 chains on which its local search alone was the
-    least on 109, up to 6.5% above."""
-    mode = "non_reentrant"
+@pytest.mark.parametrize("mode", MODES)
+def test_the_planner_reports_the_least_estimate_of_any_plan(mode: str) -> None:
+    """The optimal strategy's least-memory plan is the least estimate of every single-level
+    plan, on 120 chains on which its local search alone was the least on 109 (up to 6.5%
+    above, non-reentrant) and 114 (3.7%, reentrant)."""
     for seed in range(120):
         chain = _chain(seed)
         tree, least = _optimal(chain, None, mode, False)
@@ -101,11 +99,11 @@ def test_the_planner_reports_the_least_estimate_of_any_plan() -> None:
                             for ranges in all_ranges(chain)), seed
 
 
-def test_the_planner_recomputes_least_under_a_budget() -> None:
-    """Non-reentrant mode: a budget between the least estimate and the baseline gets the
-    least recompute of any single-level plan whose estimate fits (the programme alone prices
-    plans at an upper bound of their estimates, and may recompute more)."""
-    mode = "non_reentrant"
+@pytest.mark.parametrize("mode", MODES)
+def test_the_planner_recomputes_least_under_a_budget(mode: str) -> None:
+    """A budget between the least estimate and the baseline gets the least recompute of any
+    single-level plan whose estimate fits (the programme alone prices plans at an upper bound
+    of their estimates, and may recompute more)."""
     lower = 0
     for seed in range(40):
         chain = _chain(seed)
