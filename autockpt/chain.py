@@ -146,8 +146,8 @@ class Stage:
     first_backward_peak_bytes: int | None = None
     """``backward_peak_bytes`` when the stage is the first of a reentrant segment, whose
     inputs are leaves: with a copy of each input's gradient from where it arrives as the
-    gradient of a reader's output (an add's, a concatenation's slice) to the end of the
-    stage (NOTE [ A reentrant segment copies its inputs' gradients ] in
+    gradient of its only reader's output (an add's, a concatenation's slice) to the end of
+    the stage (NOTE [ A reentrant segment copies its inputs' gradients ] in
     :mod:`autockpt.memory_model`). None where unknown: then every input's gradient is
     counted on top of ``backward_peak_bytes``."""
 
@@ -252,10 +252,11 @@ class SharedGradient:
     inputs: tuple[tuple[int, int], ...]
     """Per passing or long-lived storage it hands the gradient to: (the stage that makes it,
     its bytes)."""
-    sharers: tuple[int, ...]
-    """The stages that make the values it hands the gradient to, these storages or others,
-    ascending: a value made inside a segment holds that gradient until its producer has run
-    backward."""
+    sharers: tuple[tuple[int, int, int], ...]
+    """(stage that makes it, bytes, stage it holds the gradient to) of each value it hands
+    the gradient to, these storages or others, by stage: each holds that gradient (or its
+    slice) until the next of its readers or its producer has run backward, where it is
+    added to another or handed on (``_holds_to``)."""
 
 
 @dataclass(frozen=True)
@@ -590,7 +591,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     # Per node, the gradient bytes of the passing value it makes.
     passing_grads: dict[int, int] = {}
     # Per node, the bytes of the tensors crossing into its stage whose gradient a reentrant
-    # checkpoint starting there copies, the node being their last reader in the stage.
+    # checkpoint starting there copies, the node being their only reader in the stage.
     input_copies: dict[int, int] = {}
     # By producing node, the bytes of the passing and long-lived storages (SharedGradient).
     skip_bytes: dict[int, int] = {}
@@ -635,10 +636,12 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             table = (by_both if by_prev and by_next else by_producer if by_prev
                      else by_reader if by_next else by_neither)
             table[p + 1] += size
-            last_reader = max((u for u in st.users if spans[p + 1][0] <= u < spans[p + 1][1]),
-                              default=None)
-            if last_reader is not None and _hands_output_grad(nodes[last_reader], st.producer):
-                input_copies[last_reader] = input_copies.get(last_reader, 0) + size
+            # Read by two nodes, its gradient is their sum, new storage .grad takes as it is.
+            readers = {u for u in st.users if spans[p + 1][0] <= u < spans[p + 1][1]}
+            if len(readers) == 1:
+                reader, = readers
+                if _hands_output_grad(nodes[reader], st.producer):
+                    input_copies[reader] = input_copies.get(reader, 0) + size
             kept = (st.producer, spans[p][1] - 1, size)
             held_plain[p].append(kept if by_prev else (st.producer, end_in_stage, size))
             held_ckpt[p].append((st.producer, end_in_stage, size))
@@ -727,8 +730,23 @@ def _shared_gradients(nodes: Sequence[NodeStat], stage_of: Sequence[int],
         reach = max(readers) if readers and len(readers) == len(node.users) else count
         out.append(SharedGradient(stage=r, output_reach=reach,
                                   output_grad_bytes=node.grad_bytes, inputs=inputs,
-                                  sharers=tuple(sorted(stage_of[i] for i in handed))))
+                                  sharers=tuple(sorted(
+                                      (stage_of[i], nodes[i].grad_bytes,
+                                       _holds_to(nodes, stage_of, i, u))
+                                      for i in handed))))
     return tuple(out)
+
+
+def _holds_to(nodes: Sequence[NodeStat], stage_of: Sequence[int], value: int, reader: int
+              ) -> int:
+    """The stage down to which ``value`` holds the gradient ``reader`` hands it
+    (:attr:`SharedGradient.sharers`): to its next reader, whose part is added to it (a new
+    buffer), or to its producer. Where a later reader ran backward first, the part is added
+    to that one's at once and not held: ``reader``'s own stage."""
+    users = [v for v in nodes[value].users if v < len(nodes) - 1]
+    if any(v > reader for v in users):
+        return stage_of[reader]
+    return max((stage_of[v] for v in users if v < reader), default=stage_of[value])
 
 
 def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None], lo: int,
