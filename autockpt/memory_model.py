@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
 from typing import NamedTuple
 
-from autockpt.chain import Chain, LongLived
+from autockpt.chain import Chain, LongLived, SharedGradient
 
 __all__ = ["Ranges", "Tree", "WalkKey", "START", "as_tree", "flatten_tree", "tree_depth", "MemoryModel",
            "estimate_peak", "estimate_tree_peak", "model_of", "segment_cost", "recompute_cost",
@@ -194,6 +194,11 @@ class MemoryModel:
         # NOTE [ A reentrant segment copies its inputs' gradients ]
         self._grad_copies = _grad_copy_table(chain) if self.reentrant else []
         self._shared_cache: dict[tuple[int, int], list[int]] = {}
+        # NOTE [ Gradients shared by a reentrant segment's inputs ], by the node's stage: a
+        # segment looks only at its own stages' (and the next one's), not at all of them.
+        self._shared_at: list[list[SharedGradient]] = [[] for _ in range(self.count + 1)]
+        for g in chain.shared_gradients:
+            self._shared_at[g.stage].append(g)
         # NOTE [ Long-lived storages inside a segment ]
         self._inside = _made_from(chain, lambda x: x.reach)
         self._escaping_floor = _escaping_floor(self._inside, self._long_lived)
@@ -365,8 +370,8 @@ class MemoryModel:
         them again. Not so for a concatenation's slices: taking them off put random graph
         seed 43's plan 7% below its measured peak."""
         held = 0
-        for g in self.chain.shared_gradients:
-            if g.stage == b + 1 and any(to < a for _, _, to in g.sharers):
+        for g in self._shared_at[b + 1]:
+            if any(to < a for _, _, to in g.sharers):
                 held += sum(size for p, size, _ in g.sharers
                             if p == b and size == g.output_grad_bytes)
         return held
@@ -392,16 +397,16 @@ class MemoryModel:
         if out is not None:
             return out
         out = [0] * (b - a + 1)
-        for g in self.chain.shared_gradients:
-            if not a <= g.stage <= b:
-                continue
+        for g in (g for t in range(a, b + 1) for g in self._shared_at[t]):
             inputs = sum(size for producer, size in g.inputs if producer < a)
             if not inputs:
                 continue
             if g.output_reach > b:
                 # Handed by the frame, which keeps it: every input copies it. At the last
                 # stage ``_grad_copies`` counts those copies already.
-                held_to, beyond = (g.stage + 1, 0) if g.stage == b else (a, inputs)
+                if g.stage == b:
+                    continue
+                held_to, beyond = a, inputs
             else:
                 # Down to the producer of a value made inside that holds the gradient too,
                 # all the copies are on top; below it, what they add beyond the gradient.
