@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autockpt.stats import LOSS_OP, NodeStat, Profile, StorageStat, node_cost
 
@@ -203,6 +203,12 @@ class Passing:
     hands it the gradient of that output, not new storage (a concatenation's slice, an
     add's shared gradient). A reentrant segment ending there copies that gradient (NOTE
     [ A reentrant segment copies its inputs' gradients ] in :mod:`autockpt.memory_model`)."""
+    after_read_bytes: tuple[int, ...] = ()
+    """Per reader (as ``readers``): the most bytes its stage's backward holds once the last of
+    its nodes that read this storage has run backward (as ``Stage.backward_peak_bytes``; 0
+    where nothing runs after it). A reentrant segment that reads it, with a reader after the
+    segment, holds two gradients of it from there on (NOTE [ Sums a reentrant segment
+    delays ] in :mod:`autockpt.memory_model`). Empty where unknown."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,8 @@ class LongLived:
     """Its size."""
     view_readers: tuple[int, ...] = ()
     """As :attr:`Passing.view_readers`: the readers that hand it their output's gradient."""
+    after_read_bytes: tuple[int, ...] = ()
+    """As :attr:`Passing.after_read_bytes`."""
 
     @property
     def first_saver(self) -> int:
@@ -236,7 +244,8 @@ class LongLived:
 @dataclass(frozen=True)
 class SharedGradient:
     """A node that hands the gradient of its output, unchanged or as a view, to passing or
-    long-lived storages made in earlier stages (an add of two skip tensors, a concatenation).
+    long-lived storages made in earlier stages, or to inputs of the model that require grad
+    (an add of two skip tensors, a concatenation).
     A reentrant segment that reads them as inputs copies some of those gradients into their
     ``.grad`` (NOTE [ A reentrant segment copies its inputs' gradients ] in
     :mod:`autockpt.memory_model`)."""
@@ -250,13 +259,17 @@ class SharedGradient:
     """Bytes of the gradient of its output: the one buffer the replay counts for all of
     them (NOTE [ Gradients in backward ])."""
     inputs: tuple[tuple[int, int], ...]
-    """Per passing or long-lived storage it hands the gradient to: (the stage that makes it,
-    its bytes)."""
+    """Per passing or long-lived storage or input that requires grad it hands the gradient
+    to: (the stage that makes it, its bytes)."""
     sharers: tuple[tuple[int, int, int], ...]
     """(stage that makes it, bytes, stage it holds the gradient to) of each value it hands
     the gradient to, these storages or others, by stage: each holds that gradient (or its
     slice) until the next of its readers or its producer has run backward, where it is
     added to another or handed on (``_holds_to``)."""
+    running_bytes: int = 0
+    """The most bytes its stage's backward holds while the node runs backward (as
+    ``Stage.backward_peak_bytes``): where it hands slices to a reentrant segment's inputs,
+    their copies are made then, beside the gradient they are sliced from."""
 
 
 @dataclass(frozen=True)
@@ -595,6 +608,9 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     input_copies: dict[int, int] = {}
     # By producing node, the bytes of the passing and long-lived storages (SharedGradient).
     skip_bytes: dict[int, int] = {}
+    # Per passing and long-lived storage, its last reading node in each reader stage.
+    passing_reads: list[tuple[int, ...]] = []
+    lasting_reads: list[tuple[int, ...]] = []
     for st in profile.storages:
         p = stage_of[st.producer]
         users = sorted({stage_of[u] for u in st.users if u < n - 1})
@@ -610,6 +626,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             for t in range(p + 1, reach + 1):
                 passing_alive[t] += size
             skip_bytes[st.producer] = skip_bytes.get(st.producer, 0) + size
+            passing_reads.append(_last_reads(st, stage_of, p, n))
             passing.append(Passing(producer=p, readers=tuple(u for u in users if u > p),
                                    size_bytes=size,
                                    view_readers=_view_readers(st, nodes, stage_of, spans)))
@@ -622,6 +639,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             else:
                 long_lived[p] += size
                 skip_bytes[st.producer] = skip_bytes.get(st.producer, 0) + size
+                lasting_reads.append(_last_reads(st, stage_of, p, n))
                 lasting.append(LongLived(producer=p, savers=tuple(savers),
                                          readers=tuple(u for u in users if u > p),
                                          size_bytes=size,
@@ -658,15 +676,24 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             held_plain[p].append(
                 (st.producer, spans[p][1] - 1 if p in savers else end_in_stage, size))
             held_ckpt[p].append((st.producer, end_in_stage, size))
+    # An input that requires grad is a leaf of every reentrant segment that reads it: an add
+    # there hands it a gradient it copies, as it does for a skip tensor (random graph seed
+    # 43: an add of the model's input in a segment's middle stage, 7% above its estimate).
+    for node in nodes:
+        if node.op == "placeholder" and node.requires_grad:
+            skip_bytes[node.index] = node.grad_bytes
     grads_at, entry = _backward_grads(nodes, [end for _, end in spans],
                                       grad_accumulation=grad_accumulation)
     saves_own, saves_any = _savers(profile)
     own_saved = _own_saved_bytes(profile)
     stages = []
+    # Per node, its stage's backward peak while it runs backward and once it has.
+    at_node, after_node = [0] * n, [0] * n
     for s, (lo, hi) in enumerate(spans):
         members = nodes[lo:hi]
         backward_peak, frame_peak, first_peak = _backward_walk(
-            internal_spans[s], grads_at, lo, hi, passing_grads, input_copies)
+            internal_spans[s], grads_at, lo, hi, passing_grads, input_copies, after_node,
+            at_node)
         # Recomputed, each node that updates and saves buffers saves clones of them too.
         clones = [(u, nodes[u].saved_buffer_bytes) for u in range(lo, hi)
                   if nodes[u].saved_buffer_bytes]
@@ -704,14 +731,21 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                                 saved_by_both_bytes=by_both[c],
                                 saved_by_neither_bytes=by_neither[c])
                             for c in range(count + 1)),
-                 passing=tuple(passing), long_lived=tuple(lasting),
-                 shared_gradients=_shared_gradients(nodes, stage_of, skip_bytes, count))
+                 passing=tuple(replace(x, after_read_bytes=tuple(after_node[u] for u in reads))
+                               for x, reads in zip(passing, passing_reads)),
+                 long_lived=tuple(replace(x, after_read_bytes=tuple(after_node[u] for u in reads))
+                                  for x, reads in zip(lasting, lasting_reads)),
+                 shared_gradients=tuple(
+                     replace(g, running_bytes=at_node[u])
+                     for u, g in _shared_gradients(nodes, stage_of, skip_bytes, count)))
 
 
 def _shared_gradients(nodes: Sequence[NodeStat], stage_of: Sequence[int],
-                      skip_bytes: dict[int, int], count: int) -> tuple[SharedGradient, ...]:
+                      skip_bytes: dict[int, int], count: int
+                      ) -> list[tuple[int, SharedGradient]]:
     """The nodes that hand their output's gradient to a passing or long-lived storage made
-    in an earlier stage (``skip_bytes``: their bytes by producing node), in graph order."""
+    in an earlier stage, or to an input that requires grad (``skip_bytes``: their bytes by
+    producing node), in graph order, each with its node."""
     n = len(nodes)
     out = []
     for u, node in enumerate(nodes[:n - 1]):
@@ -728,13 +762,11 @@ def _shared_gradients(nodes: Sequence[NodeStat], stage_of: Sequence[int],
         # every stage.
         readers = [stage_of[v] for v in node.users if v < n - 1]
         reach = max(readers) if readers and len(readers) == len(node.users) else count
-        out.append(SharedGradient(stage=r, output_reach=reach,
-                                  output_grad_bytes=node.grad_bytes, inputs=inputs,
-                                  sharers=tuple(sorted(
-                                      (stage_of[i], nodes[i].grad_bytes,
-                                       _holds_to(nodes, stage_of, i, u))
-                                      for i in handed))))
-    return tuple(out)
+        out.append((u, SharedGradient(
+            stage=r, output_reach=reach, output_grad_bytes=node.grad_bytes, inputs=inputs,
+            sharers=tuple(sorted((stage_of[i], nodes[i].grad_bytes,
+                                  _holds_to(nodes, stage_of, i, u)) for i in handed)))))
+    return out
 
 
 def _holds_to(nodes: Sequence[NodeStat], stage_of: Sequence[int], value: int, reader: int
@@ -749,22 +781,37 @@ def _holds_to(nodes: Sequence[NodeStat], stage_of: Sequence[int], value: int, re
     return max((stage_of[v] for v in users if v < reader), default=stage_of[value])
 
 
+def _last_reads(st: StorageStat, stage_of: Sequence[int], producer: int, n: int
+                ) -> tuple[int, ...]:
+    """The last node reading ``st`` in each stage after ``producer``'s, by stage."""
+    last: dict[int, int] = {}
+    for u in st.users:
+        if u < n - 1 and stage_of[u] > producer:
+            last[stage_of[u]] = max(u, last.get(stage_of[u], u))
+    return tuple(last[t] for t in sorted(last))
+
+
 def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None], lo: int,
                    hi: int, passing_grads: dict[int, int],
-                   input_copies: dict[int, int] | None = None) -> tuple[int, int, int]:
+                   input_copies: dict[int, int] | None = None,
+                   after_node: list[int] | None = None, at_node: list[int] | None = None
+                   ) -> tuple[int, int, int]:
     """Walk the stage ``lo..hi-1`` backwards: a saved storage (``(first saver, bytes)`` in
     ``spans``) is alive until its first saver has run backward. Returns the most bytes alive
     with the gradients; the same with the gradients of the passing values made by the
     nodes already walked kept (``passing_grads``: bytes by node); and the same with a copy of
     each input's gradient from its reader's backward on (``input_copies``: bytes by
-    reader)."""
+    reader). Fills ``at_node`` (by node) with the most bytes alive while that node runs
+    backward, and ``after_node`` with the most once it has, to the stage's end."""
     saved_spans = sorted(spans)
     alive = sum(size for _, size in saved_spans)
     k = len(saved_spans)
     peak = frame_peak = first_peak = kept = copied = 0
+    at = [0] * (hi - lo)
     for u in range(hi - 1, lo - 1, -1):
         copied += (input_copies or {}).get(u, 0)
         if grads_at[u] is not None:
+            at[u - lo] = alive + grads_at[u]
             peak = max(peak, alive + grads_at[u])
             frame_peak = max(frame_peak, alive + grads_at[u] + kept)
             first_peak = max(first_peak, alive + grads_at[u] + copied)
@@ -772,6 +819,13 @@ def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None],
         while k and saved_spans[k - 1][0] >= u:
             k -= 1
             alive -= saved_spans[k][1]
+    if at_node is not None:
+        at_node[lo:hi] = at
+    if after_node is not None:
+        running = 0
+        for u in range(lo, hi):
+            after_node[u] = running
+            running = max(running, at[u - lo])
     return peak, frame_peak, first_peak
 
 
