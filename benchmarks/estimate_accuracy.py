@@ -6,10 +6,14 @@ inputs that require grad or not), drawn here from seeded ``random.Random`` gener
 a run is reproducible without hypothesis. For each graph and mode, the least memory and the
 budgets at 50% and 75% of the baseline are planned and applied, and one real step (the
 graph's cross-entropy) is measured with ``autockpt.measure``. Printed: the ratio estimated /
-measured per mode (largest, smallest, how many above 1.05 and below 1.0) and the least memory
-reached as a share of the measured baseline.
+measured per mode (largest, smallest, how many above 1.05, below 1.0 and below 0.95) and the
+least memory reached as a share of the measured baseline.
+
+The memory model was corrected case by case on seeds 0-59; seeds from 60 on (``--first 60``)
+are graphs it has not been fitted to.
 
     python benchmarks/estimate_accuracy.py --seeds 60
+    python benchmarks/estimate_accuracy.py --first 60 --seeds 100 --modes reentrant
     python benchmarks/estimate_accuracy.py --seeds 20 --modes reentrant --json out.json
 """
 
@@ -50,9 +54,11 @@ def random_spec(seed: int) -> graphs.GraphSpec:
                             layers=tuple(layers), batch=rng.choice((64, 256)))
 
 
-def run(seeds: int, modes: list[str]) -> list[dict[str, Any]]:
+def run(seeds: int, modes: list[str], first: int = 0) -> list[dict[str, Any]]:
+    """Rows of one planned, applied and measured step per seed ``first..first+seeds-1``, mode
+    and budget."""
     rows = []
-    for seed in range(seeds):
+    for seed in range(first, first + seeds):
         spec = random_spec(seed)
         args, loss_fn = graphs.example_inputs(spec), graphs.cross_entropy(spec)
         baseline = autockpt.measure(graphs.build(spec), args,
@@ -77,27 +83,28 @@ def run(seeds: int, modes: list[str]) -> list[dict[str, Any]]:
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    lines = ["mode           cases  est/meas max  min    > 1.05  < 1.00  least memory (median of "
-             "measured / baseline)"]
+    lines = ["mode           cases  est/meas max  min    > 1.05  < 1.00  < 0.95  least memory "
+             "(median of measured / baseline)"]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         ratios = [r["estimated_bytes"] / r["measured_bytes"] for r in rows if r["mode"] == mode]
         least = [r["measured_bytes"] / r["baseline_bytes"] for r in rows
                  if r["mode"] == mode and r["fraction"] is None]
         lines.append(f"{mode:<14} {len(ratios):>5}  {max(ratios):>12.3f}  {min(ratios):.3f}  "
                      f"{sum(x > 1.05 for x in ratios):>6}  {sum(x < 0.999 for x in ratios):>6}  "
-                     f"{statistics.median(least):.0%}")
+                     f"{sum(x < 0.95 for x in ratios):>6}  {statistics.median(least):.0%}")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=60, help="graphs to draw (seeds 0..N-1)")
+    parser.add_argument("--seeds", type=int, default=60, help="how many graphs to draw")
+    parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--modes", default="non_reentrant,reentrant")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = run(args.seeds, args.modes.split(","))
+    rows = run(args.seeds, args.modes.split(","), args.first)
     print(summary(rows))
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
