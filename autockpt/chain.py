@@ -138,13 +138,11 @@ class Stage:
     """What those clones add to ``backward_peak_bytes`` when the stage runs backward
     recomputed: each is freed once the node that saved it has run backward."""
     frame_backward_peak_bytes: int = 0
-    """``backward_peak_bytes`` when the gradients of the passing values it makes and of those
-    crossing into the next stage stay alive after their producers have run backward, and a
-    value made in an earlier stage and read in a later one sums no partial gradients: as
-    the last stage of a reentrant segment, whose frame keeps the gradients it was handed
-    and whose inputs are leaves (NOTE [ Reentrant backward ] and NOTE [ Sums a reentrant
-    segment delays ] in :mod:`autockpt.memory_model`). 0 where unknown: then those
-    gradients are counted whole."""
+    """``backward_peak_bytes`` when the gradients of the passing values it makes stay alive
+    after their producers have run backward: as the last stage of a reentrant segment, whose
+    frame keeps the gradients it was handed (NOTE [ Reentrant backward ] in
+    :mod:`autockpt.memory_model`). 0 where unknown: then those gradients are counted
+    whole."""
     first_backward_peak_bytes: int | None = None
     """``backward_peak_bytes`` when the stage is the first of a reentrant segment, whose
     inputs are leaves: with a copy of each input's gradient from where it arrives as the
@@ -603,8 +601,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     # Tensors crossing into a stage, alive from its start (as if made just before it).
     received_plain: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     received_ckpt: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
-    # Per node, the gradient bytes of the passing value it makes, or of what it hands the
-    # next stage: a reentrant segment's frame keeps them to its end.
+    # Per node, the gradient bytes of the passing value it makes.
     passing_grads: dict[int, int] = {}
     # Per node, the bytes of the tensors crossing into its stage whose gradient a reentrant
     # checkpoint starting there copies, the node being their only reader in the stage.
@@ -653,10 +650,6 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             held_plain[p].append(span)
             held_ckpt[p].append(span)
         elif reach == p + 1:
-            if nodes[st.producer].requires_grad:
-                # A reentrant segment ending here is handed its gradient and keeps it.
-                passing_grads[st.producer] = (passing_grads.get(st.producer, 0)
-                                              + nodes[st.producer].grad_bytes)
             by_prev, by_next = p in savers, p + 1 in savers
             table = (by_both if by_prev and by_next else by_producer if by_prev
                      else by_reader if by_next else by_neither)
@@ -689,8 +682,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
     for node in nodes:
         if node.op == "placeholder" and node.requires_grad:
             skip_bytes[node.index] = node.grad_bytes
-    grads_at, entry, frame_grads_at = _backward_grads(nodes, [end for _, end in spans],
-                                                      grad_accumulation=grad_accumulation)
+    grads_at, entry = _backward_grads(nodes, [end for _, end in spans],
+                                      grad_accumulation=grad_accumulation)
     saves_own, saves_any = _savers(profile)
     own_saved = _own_saved_bytes(profile)
     stages = []
@@ -700,7 +693,7 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
         members = nodes[lo:hi]
         backward_peak, frame_peak, first_peak = _backward_walk(
             internal_spans[s], grads_at, lo, hi, passing_grads, input_copies, after_node,
-            at_node, frame_grads_at)
+            at_node)
         # Recomputed, each node that updates and saves buffers saves clones of them too.
         clones = [(u, nodes[u].saved_buffer_bytes) for u in range(lo, hi)
                   if nodes[u].saved_buffer_bytes]
@@ -801,8 +794,7 @@ def _last_reads(st: StorageStat, stage_of: Sequence[int], producer: int, n: int
 def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None], lo: int,
                    hi: int, passing_grads: dict[int, int],
                    input_copies: dict[int, int] | None = None,
-                   after_node: list[int] | None = None, at_node: list[int] | None = None,
-                   frame_grads_at: Sequence[int | None] | None = None
+                   after_node: list[int] | None = None, at_node: list[int] | None = None
                    ) -> tuple[int, int, int]:
     """Walk the stage ``lo..hi-1`` backwards: a saved storage (``(first saver, bytes)`` in
     ``spans``) is alive until its first saver has run backward. Returns the most bytes alive
@@ -810,20 +802,18 @@ def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None],
     nodes already walked kept (``passing_grads``: bytes by node); and the same with a copy of
     each input's gradient from its reader's backward on (``input_copies``: bytes by
     reader). Fills ``at_node`` (by node) with the most bytes alive while that node runs
-    backward, and ``after_node`` with the most once it has, to the stage's end. The second
-    walk takes its gradients from ``frame_grads_at`` where given."""
+    backward, and ``after_node`` with the most once it has, to the stage's end."""
     saved_spans = sorted(spans)
     alive = sum(size for _, size in saved_spans)
     k = len(saved_spans)
     peak = frame_peak = first_peak = kept = copied = 0
     at = [0] * (hi - lo)
-    frame_grads = grads_at if frame_grads_at is None else frame_grads_at
     for u in range(hi - 1, lo - 1, -1):
         copied += (input_copies or {}).get(u, 0)
         if grads_at[u] is not None:
             at[u - lo] = alive + grads_at[u]
             peak = max(peak, alive + grads_at[u])
-            frame_peak = max(frame_peak, alive + (frame_grads[u] or 0) + kept)
+            frame_peak = max(frame_peak, alive + grads_at[u] + kept)
             first_peak = max(first_peak, alive + grads_at[u] + copied)
         kept += passing_grads.get(u, 0)
         while k and saved_spans[k - 1][0] >= u:
@@ -836,23 +826,17 @@ def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None],
         for u in range(lo, hi):
             after_node[u] = running
             running = max(running, at[u - lo])
-    # The frame's walk makes none of the sums a leaf skips, but it never prices the stage
-    # below its plain walk: the programmes' lower bounds rest on that.
-    return peak, max(peak, frame_peak), first_peak
+    return peak, frame_peak, first_peak
 
 
 def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,
-                    grad_accumulation: bool = False
-                    ) -> tuple[list[int | None], list[int], list[int | None]]:
+                    grad_accumulation: bool = False) -> tuple[list[int | None], list[int]]:
     """Replay the backward over the graph, node by node in reverse, counting the gradient
     bytes alive (see NOTE [ Gradients in backward ]).
 
     Returns, per node, the most gradient bytes alive while its backward runs (its working set
-    included), or None when it runs no backward; per stage, the gradient bytes alive when
-    backward enters it (stages are given by their ends); and per node, the first again
-    without the sums of partial gradients it makes for values made in an earlier stage and
-    read in a later one, which a reentrant segment's leaves do not make (NOTE [ Sums a
-    reentrant segment delays ] in :mod:`autockpt.memory_model`).
+    included), or None when it runs no backward; and per stage, the gradient bytes alive when
+    backward enters it (stages are given by their ends).
     """
     n = len(nodes)
     # Which value a node really reads: an in-place op whose result the graph does not use
@@ -906,15 +890,6 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,
         if carries[i]:
             receive(i, new(0))
     grads_at: list[int | None] = [None] * n
-    unsummed_at: list[int | None] = [None] * n
-    stage_of = [len(stage_ends)] * n
-    start = 0
-    for t, end in enumerate(stage_ends):
-        stage_of[start:end] = [t] * (end - start)
-        start = end
-    # Per value, the last stage that reads it.
-    reach = [max((stage_of[w] for w in node.users if w < n - 1), default=stage_of[node.index])
-             for node in nodes]
     waiting: dict[int, list[int]] = {}  # reader -> gradient buffers that wait for it
     entry = [0] * len(stage_ends)
     last_of = {end - 1: t for t, end in enumerate(stage_ends)}
@@ -937,7 +912,7 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,
                 work = node.accumulate_backward_bytes
         else:  # not probed: a new gradient for every input
             work = sum(nodes[v].grad_bytes for _, v in targets)
-        peak = unsummed = alive + work
+        peak = alive + work
         for k, v in targets:
             handed = node.input_grad_bytes[k] if probed else nodes[v].grad_bytes
             if handed:
@@ -945,23 +920,16 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,
             else:
                 buffer = out
                 refs[out] += 1
-            # What was alive before the sum, and the sum's new buffer.
-            before = alive
-            summed = receive(v, buffer)
-            peak = max(peak, before + summed)
-            skip = stage_of[v] < stage_of[u] < reach[v]
-            unsummed = max(unsummed, before + (0 if skip else summed))
+            peak = max(peak, alive + receive(v, buffer))
         # Gradients of a shared parameter wait for its first reader's (tied embeddings).
         for nbytes, until in node.param_grad_held:
             waiting.setdefault(until, []).append(new(nbytes))
             peak = max(peak, alive + work)
-            unsummed = max(unsummed, alive + work)
         drop(out)
         for buffer in waiting.pop(u, ()):
             drop(buffer)
         grads_at[u] = peak
-        unsummed_at[u] = unsummed
-    return grads_at, entry, unsummed_at
+    return grads_at, entry
 
 
 def _sweep(nodes: Sequence[NodeStat], start: int, end: int, spans: list[tuple[int, int, int]],

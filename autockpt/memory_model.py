@@ -321,11 +321,8 @@ class MemoryModel:
         # backward of its own starts from them; until it returns, the recomputed outputs and
         # the gradients they were handed stay alive (held by its frame), one copy of each of
         # what escapes the segment. At the last stage the gradients crossing out of it are
-        # among the stage's own (``backward``) until the nodes that made those outputs have
-        # run backward, and the frame keeps them after that (``frame_backward_peak_bytes``);
-        # before it, all are extra (random graph seed 240, a gating node ending a segment,
-        # peaked at its sigmoid's backward with the handed gradient still alive: 9.7% above
-        # its estimate). At the first stage the inputs' gradients are made while
+        # among the stage's own (``backward``), so only the long-lived and passing ones are
+        # extra; before it, all are. At the first stage the inputs' gradients are made while
         # all of that is still alive; the replay of NOTE [ Gradients in backward ] counts
         # them as it counts any gradient, and only the copies autograd makes of some of
         # them are extra (``_backward_first``: NOTE [ A reentrant segment copies its
@@ -341,8 +338,7 @@ class MemoryModel:
         # once its saver has run, the frame keeps it to the end. The gradients of the
         # passing values the last stage itself makes are among its own until their
         # producers have run backward, and the frame keeps them after that
-        # (``frame_backward_peak_bytes``, which also keeps the crossing ones and makes no
-        # sum of a leaf's partial gradients: NOTE [ Sums a reentrant segment delays ]). Counting the long-lived ones the same way fell
+        # (``frame_backward_peak_bytes``). Counting the long-lived ones the same way fell
         # 3.5% short on a random graph whose later reentrant segment reads one (its
         # gradient comes back as a copy, made where a checkpoint hands its inputs theirs).
         stage_b = chain.stages[b]
@@ -884,21 +880,27 @@ def _passing_tables(chain: Chain) -> tuple[list[list[int]], list[list[int]], lis
 
 
 # NOTE [ What the reentrant estimate still gets wrong ]
-# On random graphs the model was not fitted to (seeds 60-259 of
+# On the random graphs drawn after the last correction (seeds 160-259 of
 # benchmarks/estimate_accuracy.py; benchmarks/RESULTS.md, "Graphs the model was not fitted
-# to"), 21 of 600 reentrant plans measure above their estimates, 7 by more than 5% (up to
-# 8.8%). Traced, each is a node-level event that a price by stage sees only on average, and
-# fixing one by stage has more than once uncovered another that the old error was hiding:
-# - The frame's handed gradient at a segment's last stage (seed 240) was that: keeping it in
-#   ``frame_backward_peak_bytes`` put seed 8's plan 6% above its measured peak, until that
-#   walk stopped counting, at seed 8's delayed reader, the out-of-place sum the replay
-#   makes and a segment's leaf does not (NOTE [ Sums a reentrant segment delays ]).
+# to"), 9 of 300 reentrant plans measure above their estimates, 3 (one graph) by more than
+# 5%; seeds 60-159 still have 16. Traced, each is a node-level event that a price by stage
+# sees only on average, and fixing one by stage has so far uncovered another that the old
+# error was hiding:
+# - The frame keeps the gradient it was handed for what leaves the segment until the whole
+#   inner backward returns; the replay frees it once the node that made that output has run
+#   backward. At the segment's last stage, a peak after that node misses it (seed 240, a
+#   gating node ending its segment: 9.7% below). Keeping it in ``frame_backward_peak_bytes``
+#   put seed 8's plan 6% above its measured peak: at its delayed reader (NOTE [ Sums a
+#   reentrant segment delays ]) the replay counts a sum, out of place, that the leaf never
+#   makes. Keeping it with that sum left out of the walk fixed both, and random graphs
+#   60-259 gained a little (25 plans below their measured peaks of 600, then 21), but the
+#   real models of tests/models/test_skip_connections.py lost more: their reentrant least
+#   plans went from 1.000-1.028 of their measured peaks to 1.000-1.088 (UNet2DModel 1.066,
+#   T5 1.066, the HRNet-like network 1.088). Not kept.
 # - A segment's output with no gradient is handed zeros of its size (autograd materializes
 #   them for a custom Function): seed 116.
 # - An add's operand that is a segment's input is copied into its ``.grad`` in some graphs
-#   and not in others (seeds 158 and 8), by the order autograd runs the two branches:
-#   counting the copy beside a value of the same stage that holds the gradient fixed seeds
-#   70, 94 and 129 and put seed 8 6% above.
+#   and not in others (seeds 158 and 8), by the order autograd runs the two branches.
 # A replay of the chosen plan node by node, with the segments' leaves, frames and
 # recomputes, would price all of these exactly; the dynamic programmes would keep the
 # prices by stage.
