@@ -811,10 +811,10 @@ def _backward_walk(spans: list[tuple[int, int]], grads_at: Sequence[int | None],
     for u in range(hi - 1, lo - 1, -1):
         copied += (input_copies or {}).get(u, 0)
         if grads_at[u] is not None:
-            at[u - lo] = alive + grads_at[u]
-            peak = max(peak, alive + grads_at[u])
-            frame_peak = max(frame_peak, alive + grads_at[u] + kept)
-            first_peak = max(first_peak, alive + grads_at[u] + copied)
+            at[u - lo] = value = alive + grads_at[u]
+            peak = max(peak, value)
+            frame_peak = max(frame_peak, value + kept)
+            first_peak = max(first_peak, value + copied)
         kept += passing_grads.get(u, 0)
         while k and saved_spans[k - 1][0] >= u:
             k -= 1

@@ -449,19 +449,18 @@ class MemoryModel:
                 if x.producer < a and x.readers[-1] > b:
                     last_read[i] = t
         # By stage: the most bytes its backward holds once the last of those readers in it
-        # has run (None where the chain does not say), and their sizes.
-        at_reader: dict[int, tuple[int | None, int]] = {}
+        # has run (its peak where the chain does not say), and their sizes.
+        at_reader: dict[int, tuple[int, int]] = {}
         for i, r in last_read.items():
             x = self._read_records[i]
             for t in range(a, r):
                 out[t - a] += x.size_bytes
-            after = (x.after_read_bytes[x.readers.index(r)] if x.after_read_bytes else None)
+            after = (x.after_read_bytes[x.readers.index(r)] if x.after_read_bytes
+                     else self.chain.stages[r].backward_peak_bytes)
             known, sizes = at_reader.get(r, (0, 0))
-            at_reader[r] = (None if after is None or known is None else max(known, after),
-                            sizes + x.size_bytes)
+            at_reader[r] = (max(known, after), sizes + x.size_bytes)
         for r, (after, sizes) in at_reader.items():
-            stage_peak = self.chain.stages[r].backward_peak_bytes
-            out[r - a] += sizes if after is None else max(0, after + sizes - stage_peak)
+            out[r - a] += max(0, after + sizes - self.chain.stages[r].backward_peak_bytes)
         self._delayed_cache[a, b] = out
         return out
 

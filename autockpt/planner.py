@@ -338,7 +338,9 @@ def _least_estimate(chain: Chain, ranges: Ranges, mode: str) -> Ranges:
 # measured peak by more than the loss's 8 bytes, 159 of 180 are within them and 170 within
 # 1% (the largest 5.4% above, seed 37);
 # the least memory measured is lower than the local search's on 19 of the 60 graphs (by up
-# to 11.8%) and higher on none.
+# to 11.8%) and higher on none. Those are the graphs the estimate was corrected on; on
+# others some reentrant plans are still below their measured peaks (NOTE [ What the
+# reentrant estimate still gets wrong ] in autockpt/memory_model.py).
 
 
 Strategy = Callable[[Chain, "int | None", str, bool], "tuple[Tree | None, int]"]
