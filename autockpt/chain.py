@@ -912,6 +912,9 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,
                 work = node.accumulate_backward_bytes
         else:  # not probed: a new gradient for every input
             work = sum(nodes[v].grad_bytes for _, v in targets)
+        if not (probed and grad_accumulation and node.accumulate_backward_bytes is not None):
+            # (With ``.grad`` there already, every weight gradient is counted as a temporary.)
+            work += node.summed_param_grad_bytes
         peak = alive + work
         for k, v in targets:
             handed = node.input_grad_bytes[k] if probed else nodes[v].grad_bytes

@@ -72,6 +72,11 @@ class NodeStat:
     several nodes (tied embeddings) before it becomes ``.grad``, so the gradient made by a
     later reader, whose backward runs first, stays alive until the backward of the first
     reader (at ``position``) has run."""
+    summed_param_grad_bytes: int = 0
+    """Bytes of the gradients its backward makes for parameters that later nodes read too
+    (a tied embedding read again by the head): autograd adds them to the later readers'
+    gradients held for it (their ``param_grad_held``) into a new buffer, so they are
+    temporaries alive beside those, not ``.grad``. Not in ``backward_bytes``."""
     accumulate_backward_bytes: int | None = None
     """``backward_bytes`` when the parameters' ``.grad`` already exists (gradient
     accumulation): autograd then computes each weight gradient into a temporary and adds it
