@@ -101,6 +101,47 @@ class KwNet(nn.Module):
         return self.out(x) * count
 
 
+class _Stack(nn.Module):
+    """A list of residual blocks, each reading ``memory`` when given (cross-attention's
+    stand-in)."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ResidualMLP(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x if memory is None else x + memory)
+        return x
+
+
+class EncoderDecoder(nn.Module):
+    """An encoder stack and a decoder stack of different classes, a data-dependent skip
+    between them (as LayerDrop is), so that no graph rung captures it."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.encoder = _Stack(width, 3)
+        self.decoder = nn.ModuleDict({"stack": _Stack(width, 3)})
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        memory = self.encoder(src)
+        if memory.mean() > 100:  # never: but only a real value says so
+            memory = memory * 0
+        return self.head(self.decoder["stack"](tgt, memory))
+
+
+def test_blocks_of_an_encoder_and_a_decoder_are_both_found() -> None:
+    """NOTE [ Blocks in sibling subtrees ] in autockpt/modules.py: the search went down into
+    one of the two stacks only, and the other was never checkpointed."""
+    model = _encdec()
+    args, kwargs = _encdec_inputs()
+    prof = profile_modules(model, args, kwargs)
+    assert prof.blocks == tuple(f"encoder.layers.{i}" for i in range(3)) + tuple(
+        f"decoder.stack.layers.{i}" for i in range(3))
+
+
 Case = tuple[Callable[[], nn.Module], Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]
 
 
@@ -126,7 +167,18 @@ def _kw_inputs() -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (x,), {"mask": mask}
 
 
-CASES: dict[str, Case] = {"branchy": (_branchy, _branchy_inputs), "kwargs": (_kw, _kw_inputs)}
+def _encdec() -> nn.Module:
+    torch.manual_seed(0)
+    return EncoderDecoder()
+
+
+def _encdec_inputs() -> tuple[tuple[Any, ...], dict[str, Any]]:
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen)), {}
+
+
+CASES: dict[str, Case] = {"branchy": (_branchy, _branchy_inputs), "kwargs": (_kw, _kw_inputs),
+                          "encoder_decoder": (_encdec, _encdec_inputs)}
 
 
 def _loss(output: torch.Tensor) -> torch.Tensor:
