@@ -132,6 +132,37 @@ class EncoderDecoder(nn.Module):
         return self.head(self.decoder["stack"](tgt, memory))
 
 
+class _TwoStacks(nn.Module):
+    """An encoder and a decoder of one class (LongT5's ``LongT5Stack``), and a data-dependent
+    branch, so that no graph rung captures it."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.encoder = _Stack(width, 3)
+        self.decoder = _Stack(width, 3)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        memory = self.encoder(src)
+        if memory.mean() > 100:
+            memory = memory * 0
+        return self.decoder(tgt, memory)
+
+
+def test_the_layers_of_two_stacks_of_one_class_are_the_blocks() -> None:
+    """NOTE [ Stacks of layers ] in autockpt/modules.py: the two stacks were the blocks, so
+    the least memory checkpointed a whole stack at a time. The residual blocks' own linear
+    layers (repeated parts of a block) do not make them stacks."""
+    torch.manual_seed(0)
+    model = _TwoStacks()
+    args, kwargs = _encdec_inputs()
+    prof = profile_modules(model, args, kwargs)
+    assert prof.blocks == tuple(f"encoder.layers.{i}" for i in range(3)) + tuple(
+        f"decoder.layers.{i}" for i in range(3))
+    single = profile_modules(nn.Sequential(*[ResidualMLP(32) for _ in range(3)]),
+                             (args[0],))
+    assert single.blocks == ("0", "1", "2")
+
+
 def test_blocks_of_an_encoder_and_a_decoder_are_both_found() -> None:
     """NOTE [ Blocks in sibling subtrees ] in autockpt/modules.py: the search went down into
     one of the two stacks only, and the other was never checkpointed."""
