@@ -1,7 +1,8 @@
 """Models whose skip connections span most of the graph: written here, a UNet with
 concatenated skips and an HRNet-like network whose two resolutions exchange features in
 every stage; built from small configs, diffusers' ``UNet2DModel`` and ``UNet2DConditionModel``,
-torchvision's DenseNet-121, Hugging Face T5 and BART. Small enough for CI on a CPU; the tests
+torchvision's DenseNet-121, Hugging Face T5, BART, M2M100 (with its LayerDrop, which no graph
+rung captures) and Whisper (a tied decoder embedding read after the encoder). Small enough for CI on a CPU; the tests
 (tests/models/test_skip_connections.py) and the GPU check (benchmarks/gpu_check.py) build the
 same models, with inputs of their own sizes.
 
@@ -171,3 +172,33 @@ def bart() -> nn.Module:
         vocab_size=SEQ2SEQ_VOCAB, d_model=64, encoder_layers=3, decoder_layers=3,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
         decoder_ffn_dim=128, max_position_embeddings=128, dropout=0.1, use_cache=False))
+
+
+def m2m100() -> nn.Module:
+    """Hugging Face M2M100 (NLLB's architecture; 2 + 2 layers, width 64) with its default
+    LayerDrop (0.05): a layer is skipped at random in training, so no graph can be captured
+    and autockpt checkpoints whole layers (the modules rung)."""
+    import transformers
+
+    return transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
+        vocab_size=SEQ2SEQ_VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_position_embeddings=128, dropout=0.1, use_cache=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2))
+
+
+WHISPER_MEL_BINS = 16
+"""The mel bins of ``whisper``'s input features."""
+
+
+def whisper() -> nn.Module:
+    """Hugging Face Whisper (2 + 2 layers, width 64): a convolutional encoder over audio
+    features, and a decoder whose token embedding its head reads again."""
+    import transformers
+
+    return transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        vocab_size=SEQ2SEQ_VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, num_mel_bins=WHISPER_MEL_BINS, max_source_positions=32,
+        max_target_positions=64, dropout=0.1, use_cache=False, pad_token_id=0,
+        decoder_start_token_id=1, bos_token_id=1, eos_token_id=2))

@@ -1,5 +1,6 @@
 """Models whose skip connections span most of the graph: UNets (our own and diffusers'),
-DenseNet, an HRNet-like multi-resolution network, encoder-decoder transformers (T5, BART).
+DenseNet, an HRNet-like multi-resolution network, encoder-decoder transformers (T5, BART,
+M2M100 through the modules rung, Whisper with its tied decoder embedding).
 
 Segments with several inputs and outputs anywhere in the graph (NOTE [ Block boundaries under
 skip connections ] in autockpt/chain.py) reach on each of them: the least memory at most 40%
@@ -26,8 +27,9 @@ import autockpt
 from autockpt.instrument import flop_counter
 from autockpt.planner import BUDGET_SLACK
 from tests.helpers import assert_same_step, assert_same_step_in_float64, train_step
-from tests.skip_models import (SEQ2SEQ_VOCAB, UNET2D_CONDITION_CROSS_DIM, HRNetLike, UNet,
-                                bart, densenet121, t5, unet2d, unet2d_condition)
+from tests.skip_models import (SEQ2SEQ_VOCAB, UNET2D_CONDITION_CROSS_DIM, WHISPER_MEL_BINS,
+                                HRNetLike, UNet, bart, densenet121, m2m100, t5, unet2d,
+                                unet2d_condition, whisper)
 
 pytestmark = pytest.mark.models
 
@@ -57,6 +59,8 @@ class SkipCase:
     """Whether autockpt must recompute strictly less than that switch at its memory, or
     may match it (a per-layer switch on a stack of identical layers is already the cheapest
     plan at its own memory)."""
+    under_estimate: float = UNDER_ESTIMATE
+    """How far its least-memory plan's measured peak may exceed the estimate."""
 
 
 def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -95,6 +99,12 @@ def _seq2seq_inputs() -> Inputs:
     return (), {"input_ids": ids, "labels": labels}
 
 
+def _audio_inputs() -> Inputs:
+    gen = torch.Generator().manual_seed(1)
+    return (), {"input_features": torch.randn(2, WHISPER_MEL_BINS, 64, generator=gen),
+                "labels": torch.randint(3, SEQ2SEQ_VOCAB, (2, 32), generator=gen)}
+
+
 def _diffusers_switch(model: nn.Module) -> None:
     model.enable_gradient_checkpointing()  # type: ignore[operator]
 
@@ -116,6 +126,12 @@ CASES = (
     SkipCase("hf_t5", "transformers", _seeded(t5), _seq2seq_inputs, None, _hf_switch,
              strictly_fewer=False),
     SkipCase("hf_bart", "transformers", _seeded(bart), _seq2seq_inputs, None, _hf_switch,
+             strictly_fewer=False),
+    # LayerDrop skips layers at random: the one forward the modules rung profiles and the
+    # step measured do not run the same layers, so its estimate is only close.
+    SkipCase("hf_m2m100", "transformers", _seeded(m2m100), _seq2seq_inputs, None, _hf_switch,
+             strictly_fewer=False, under_estimate=0.05),
+    SkipCase("hf_whisper", "transformers", _seeded(whisper), _audio_inputs, None, _hf_switch,
              strictly_fewer=False),
 )
 
@@ -161,7 +177,7 @@ def test_least_memory_budgets_and_gradients(case: SkipCase, mode: str) -> None:
     # The plan's estimate is what a budget is held to: it must not fall short of the step
     # (it did by 3.3% on UNet2DModel in reentrant mode before NOTE [ A reentrant segment
     # copies its inputs' gradients ] in autockpt/memory_model.py).
-    assert measured <= plan.estimated_peak_bytes * (1 + UNDER_ESTIMATE), (
+    assert measured <= plan.estimated_peak_bytes * (1 + case.under_estimate), (
         f"{case.name} ({mode}): measured {measured} B, estimated "
         f"{plan.estimated_peak_bytes} B\n{plan}"
     )
