@@ -32,6 +32,8 @@ already keeps one graph per input signature.
 from __future__ import annotations
 
 import contextlib
+import io
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -283,9 +285,12 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     arguments = bind_inputs(module, args, kwargs)
     view = shallow_view(module, cls)
     flags = [(m, m.training) for m in view.modules()]
+    # A failed export prints the partial graph it made to stderr (hundreds of lines for a
+    # transformer); the error below says why, and the next rung runs. Kept for a success.
+    printed = io.StringIO()
     try:
         view.train()
-        with _no_stack_traces():
+        with _no_stack_traces(), contextlib.redirect_stderr(printed):
             exported = torch.export.export(view, (), dict(arguments), strict=False)
     except Exception as err:  # export raises many kinds; all mean "not exportable"
         fix = ("see the torch.export error above; autockpt.apply(..., capture='modules') "
@@ -304,6 +309,7 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     finally:
         for mod, was_training in flags:
             mod.training = was_training
+    sys.stderr.write(printed.getvalue())
     unlifted = exported.module()
     in_spec, out_spec = unlifted._in_spec, unlifted._out_spec
     graph = fx.Graph()

@@ -277,3 +277,29 @@ def test_dataclass_outputs_and_non_tensor_arguments(mode: str) -> None:
         (out.logits.pow(2).mean() + out.hidden[0].mean()).backward()
     assert isinstance(outs[0], _Out) and outs[0].layers == 6
     assert_same_tensors(grads_of(model), grads_of(reference), allow_none=True)
+
+
+class _LayerDrop(nn.Module):
+    """Skips its second layer at random in training, as LayerDrop does (M2M100, NLLB)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i == 0 or not (self.training and torch.rand([]) < 0.05):
+                x = layer(x)
+        return x
+
+
+def test_a_failed_export_prints_no_partial_graph(capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.export prints the partial graph of a data-dependent failure to stderr; the
+    modules rung then plans the model anyway, so the user saw a screen of generated code for
+    nothing. The error's own message says why export failed."""
+    from autockpt.capture import export_trace
+    from autockpt.errors import TraceError
+
+    with pytest.raises(TraceError, match="torch.export could not export _LayerDrop"):
+        export_trace(_LayerDrop(), (torch.randn(4, 8),), {})
+    assert "def forward" not in capsys.readouterr().err
