@@ -43,8 +43,8 @@ import torch.fx as fx
 from torch import nn
 
 from autockpt.errors import AutockptError, TraceError
-from autockpt.trace import (TraceSpec, TracedModel, base_class, bind_inputs, has_attr_path,
-                            shallow_view, trace)
+from autockpt.trace import (TraceSpec, TracedModel, base_class, bind_inputs, functions_applied,
+                            has_attr_path, shallow_view, trace)
 from autockpt.units import format_names
 
 __all__ = ["CAPTURES", "RUNGS", "NoGraph", "capture", "export_trace", "has_hooks",
@@ -288,9 +288,11 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     # A failed export prints the partial graph it made to stderr (hundreds of lines for a
     # transformer); the error below says why, and the next rung runs. Kept for a success.
     printed = io.StringIO()
+    inlined: list[str] = []
     try:
         view.train()
-        with _no_stack_traces(), contextlib.redirect_stderr(printed):
+        with _no_stack_traces(), contextlib.redirect_stderr(printed), \
+                functions_applied(inlined):
             exported = torch.export.export(view, (), dict(arguments), strict=False)
     except Exception as err:  # export raises many kinds; all mean "not exportable"
         fix = ("see the torch.export error above; autockpt.apply(..., capture='modules') "
@@ -354,6 +356,10 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         capture="export",
         flatten=flatten,
         unflatten=unflatten,
+        notes=(f"torch.export traced into the custom autograd Function "
+               f"{format_names(inlined)}: autograd differentiates its forward's ops, which "
+               "can save more for backward than its own backward needs; capture='fx', where "
+               "the model traces, keeps it whole",) if inlined else (),
     )
 
 

@@ -326,6 +326,7 @@ def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
     except InfeasibleBudgetError as err:
         return None, err, stats
     plan = replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
+                   notes=(*traced.notes, *plan.notes),
                    capture=traced.capture, capture_reason=traced.capture_reason,
                    cost_model=config.cost, device=device, kept_whole=config.keep_whole,
                    chunked_head=head,

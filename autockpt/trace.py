@@ -6,6 +6,18 @@ Parameter and buffer with the original, so the graph's ``call_module`` and ``get
 are the original's qualified names, yet nothing the tracer stores on its root (tensor constants)
 lands on the user's module.
 
+# NOTE [ Custom autograd Functions stay whole ]
+A ``torch.autograd.Function`` the model defines (BLOOM's ``GeLUFunction``, a fused kernel's
+wrapper) often exists to save less for backward than its forward's ops would: GeLUFunction
+saves its input only and recomputes the rest in its own backward. fx would trace into its
+forward and record those ops, so the graph's backward would be autograd's, saving every
+intermediate: a model of four such layers needed 2.5x its own activation memory before any
+checkpointing. While tracing, ``Function.apply`` with a proxy among its arguments becomes one
+``call_function`` node that calls the real ``apply``, so the rewritten model runs the user's
+Function, its forward and its backward. Functions defined in torch itself, and calls with an
+argument the graph cannot hold as a constant (a Python function, a module), are traced into as
+before. torch.export has no such switch: it inlines them (the plan says so).
+
 # NOTE [ Trace in train mode ]
 fx bakes Python-level ``if self.training:`` branches into the graph. A graph traced in eval
 mode would drop dropout or DropPath and train wrongly, so tracing always runs in train mode and
@@ -15,10 +27,11 @@ runs the model's own forward.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +42,7 @@ from torch import nn
 from autockpt.errors import InvalidArgumentError, TraceError
 
 __all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "base_class", "shallow_view",
-           "generated_subclass"]
+           "generated_subclass", "functions_applied"]
 
 #: Python values that are baked into the graph (a new value means a new plan).
 _CONSTANT_TYPES = (type(None), bool, int, float, str)
@@ -66,6 +79,8 @@ class TracedModel:
     means one placeholder per name in ``spec.param_names``."""
     unflatten: Callable[[Any], Any] | None = field(default=None, repr=False)
     """Rebuilds the forward's real output from what the graph returns; ``None``: as it is."""
+    notes: tuple[str, ...] = ()
+    """What the plan must say about the graph (custom autograd Functions traced into)."""
 
     @property
     def graph(self) -> fx.Graph:
@@ -211,6 +226,84 @@ class _LeafTracer(fx.Tracer):
             raise
 
 
+_GRAPH_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _holds_only_graph_values(value: Any) -> bool:
+    """Whether ``value`` is a proxy, a constant the graph can hold, or a tuple/list of them."""
+    if isinstance(value, (tuple, list)):
+        return all(_holds_only_graph_values(v) for v in value)
+    return isinstance(value, (fx.Proxy, *_GRAPH_CONSTANTS))
+
+
+def user_function(cls: type) -> bool:
+    """Whether the autograd Function ``cls`` is the model's: defined outside torch and
+    autockpt."""
+    return cls.__module__.split(".")[0] not in ("torch", "autockpt")
+
+
+_CALLS: dict[type, Callable[..., Any]] = {}
+_CALLS_LOCK = threading.Lock()
+
+
+def function_call(cls: type) -> Callable[..., Any]:
+    """A plain function calling ``cls.apply``, made once per class: the target of its graph
+    nodes (fx names a target by its module and name, which ``apply`` of a C base lacks)."""
+    with _CALLS_LOCK:
+        if cls not in _CALLS:
+            apply = torch.autograd.Function.__dict__["apply"].__get__(None, cls)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return apply(*args, **kwargs)
+
+            call.__name__ = call.__qualname__ = f"{cls.__name__}_apply"
+            _CALLS[cls] = call
+        return _CALLS[cls]
+
+
+@contextlib.contextmanager
+def _apply_patched(apply: Callable[..., Any]) -> Iterator[None]:
+    """``torch.autograd.Function.apply`` is ``apply(cls, real_apply, *args, **kwargs)``."""
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def patched(cls: type, *args: Any, **kwargs: Any) -> Any:
+        return apply(cls, original.__get__(None, cls), *args, **kwargs)
+
+    function.apply = classmethod(patched)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        function.apply = original  # type: ignore[assignment]
+
+
+def _functions_as_calls(tracer: fx.Tracer) -> contextlib.AbstractContextManager[None]:
+    """NOTE [ Custom autograd Functions stay whole ]: ``Function.apply`` on proxies records
+    one node calling the real ``apply``."""
+
+    def apply(cls: type, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        values = (*args, *kwargs.values())
+        if (user_function(cls) and any(isinstance(v, fx.Proxy) for v in values)
+                and _holds_only_graph_values(list(values))):
+            return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
+        return real(*args, **kwargs)
+
+    return _apply_patched(apply)
+
+
+def functions_applied(names: list[str]) -> contextlib.AbstractContextManager[None]:
+    """Append to ``names`` the class of each autograd Function defined outside torch that
+    is applied meanwhile (torch.export traces into them: NOTE [ Custom autograd Functions
+    stay whole ])."""
+
+    def apply(cls: type, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if user_function(cls) and cls.__qualname__ not in names:
+            names.append(cls.__qualname__)
+        return real(*args, **kwargs)
+
+    return _apply_patched(apply)
+
+
 def trace(
     module: nn.Module,
     args: tuple[Any, ...] = (),
@@ -250,7 +343,8 @@ def trace(
     tracer = _LeafTracer(leaves)
     try:
         view.train()
-        graph = tracer.trace(view, concrete_args=dict(constants) or None)
+        with _functions_as_calls(tracer):
+            graph = tracer.trace(view, concrete_args=dict(constants) or None)
         graph_module = fx.GraphModule(view, graph, class_name=cls.__name__)
     except Exception as err:  # fx raises many kinds; all mean "not traceable"
         location = _user_frame(err)

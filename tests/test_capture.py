@@ -7,8 +7,11 @@ every gradient, every buffer); the measured peak must be within the budget.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +19,8 @@ from torch import nn
 
 import autockpt
 from autockpt.planner import BUDGET_SLACK
-from tests.helpers import MODES, assert_same_case_step, assert_same_tensors, grads_of
+from tests.helpers import (MODES, assert_same_case_step, assert_same_step, assert_same_tensors,
+                           grads_of, train_step)
 from tests.test_modules import BranchyNet
 from tests.zoo import ZooCase, clone_case, flatten_output
 
@@ -303,3 +307,76 @@ def test_a_failed_export_prints_no_partial_graph(capsys: pytest.CaptureFixture[s
     with pytest.raises(TraceError, match="torch.export could not export _LayerDrop"):
         export_trace(_LayerDrop(), (torch.randn(4, 8),), {})
     assert "def forward" not in capsys.readouterr().err
+
+
+class _TanhGelu(torch.autograd.Function):
+    """BLOOM's GeLUFunction: saves its input only, and recomputes the rest in backward."""
+
+    backward_calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _TanhGelu.backward_calls += 1
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return grad * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x))
+                       + 0.5 * (1 + t))
+
+
+class _GeluMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(_TanhGelu.apply(self.up(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_custom_autograd_function_stays_whole(mode: str) -> None:
+    """NOTE [ Custom autograd Functions stay whole ] in autockpt/trace.py: traced into, the
+    Function's eight elementwise ops each saved a tensor for autograd's backward, and the
+    graph without any checkpointing needed 2.5x the model's own activation memory. Kept as
+    one call, the graph's baseline is the model's, and training runs the Function's own
+    backward, with the same gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_GeluMLP() for _ in range(4)])
+    x = torch.randn(256, 16)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out, torch.arange(256) % 16)
+
+    own = autockpt.measure(model, (x,), loss_fn=loss_fn).peak_activation_bytes
+    plan = autockpt.plan(model, (x,), loss_fn=loss_fn, mode=mode, capture="fx")
+    assert abs(plan.baseline_peak_bytes - own) <= 0.01 * own, (plan.baseline_peak_bytes, own)
+    with contextlib.redirect_stdout(io.StringIO()):
+        transformed = autockpt.apply(model, None, example_inputs=(x,), loss_fn=loss_fn,
+                                     mode=mode, capture="fx")
+    least = autockpt.plan_of(transformed)
+    assert least.segments
+    measured = autockpt.measure(transformed, (x,), loss_fn=loss_fn).peak_activation_bytes
+    assert measured <= least.estimated_peak_bytes * 1.005, (measured, least.estimated_peak_bytes)
+    reference = copy.deepcopy(model)
+    calls = _TanhGelu.backward_calls
+    expected = train_step(reference, loss_fn, (x,), {}, seed=3)
+    assert_same_step(train_step(transformed, loss_fn, (x,), {}, seed=3), expected)
+    assert _TanhGelu.backward_calls >= calls + 8  # its own backward, in both
+
+
+def test_the_plan_says_when_export_traced_into_a_custom_function() -> None:
+    """torch.export has no switch to keep an autograd Function whole: the plan says that it
+    traced into one, and what keeps it whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_GeluMLP(), _GeluMLP())
+    exported = autockpt.plan(model, (torch.randn(8, 16),), capture="export")
+    assert any("_TanhGelu" in note and "capture='fx'" in note for note in exported.notes), (
+        exported.notes)
+    traced = autockpt.plan(model, (torch.randn(8, 16),), capture="fx")
+    assert not any("_TanhGelu" in note for note in traced.notes)
+    assert "_TanhGelu" in str(exported)
