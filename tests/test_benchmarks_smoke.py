@@ -143,3 +143,20 @@ def test_estimate_accuracy_measures_random_graphs() -> None:
     assert all(r["measured_bytes"] > 0 and r["estimated_bytes"] >= 0.95 * r["measured_bytes"]
                for r in rows)
     assert estimate_accuracy.summary(rows).splitlines()[1].startswith("non_reentrant")
+
+
+def test_unseen_models_runs_the_skip_connection_checks() -> None:
+    """benchmarks/unseen_models.py checks a model as tests/models/test_skip_connections.py
+    does, and its verdict flags what misses a target (ShuffleNet's least memory, 44% of its
+    baseline, is above the skip models' 40%)."""
+    pytest.importorskip("torchvision")
+    import unseen_models
+
+    case = next(c for c in unseen_models.CASES if c.name == "tv_shufflenet_v2_x0_5")
+    row = unseen_models.check(case, "non_reentrant")
+    assert row["gradients"] == "same" and row["capture"] == "fx"
+    assert 0 < row["least_bytes"] < row["baseline_bytes"]
+    assert row["estimate_over_measured"] >= 0.99
+    assert all(row[f"budget_{f:.2f}"] <= 1.05 for f in (0.5, 0.75))
+    verdict = unseen_models._verdict(row)
+    assert ("least" in verdict) == (row["least_share"] > 0.40), (row, verdict)
