@@ -146,6 +146,16 @@ def _images(name: str, requires: str, build: Callable[[], nn.Module], size: int,
     return SkipCase(name, requires, skip._seeded(build), skip._images(2, 3, size), loss)
 
 
+_TIMM_MODELS: tuple[tuple[str, int, dict[str, Any]], ...] = (
+    ("hrnet_w18_small", 64, {}), ("hrnet_w18_small_v2", 64, {}), ("densenet121", 32, {}),
+    ("dla34", 64, {}), ("dpn68", 64, {}), ("ese_vovnet19b_dw", 64, {}),
+    ("res2net50_14w_8s", 64, {}), ("cspresnet50", 64, {}), ("nest_tiny", 32, {"img_size": 32}),
+    ("levit_128s", 64, {"img_size": 64}), ("mobilevitv2_050", 64, {}), ("poolformer_s12", 64, {}),
+    ("pvt_v2_b0", 64, {}), ("convnextv2_atto", 64, {}), ("edgenext_xx_small", 64, {}),
+    ("twins_svt_small", 64, {}),
+)
+"""timm models, the input's side and the model's extra arguments."""
+
 CASES = (
     _seq2seq("hf_marian", "MarianMTModel", "MarianConfig", **_SEQ2SEQ),
     _seq2seq("hf_pegasus", "PegasusForConditionalGeneration", "PegasusConfig", **_SEQ2SEQ),
@@ -178,22 +188,8 @@ CASES = (
              skip._condition_inputs, skip._mse_to_zero, skip._diffusers_switch),
     SkipCase("diffusers_vae", "diffusers", skip._seeded(_vae), skip._images(2, 3, 32),
              skip._mse_to_zero, skip._diffusers_switch),
-    _images("timm_hrnet_w18_small", "timm", _timm("hrnet_w18_small"), 64),
-    _images("timm_hrnet_w18_small_v2", "timm", _timm("hrnet_w18_small_v2"), 64),
-    _images("timm_densenet121", "timm", _timm("densenet121"), 32),
-    _images("timm_dla34", "timm", _timm("dla34"), 64),
-    _images("timm_dpn68", "timm", _timm("dpn68"), 64),
-    _images("timm_ese_vovnet19b_dw", "timm", _timm("ese_vovnet19b_dw"), 64),
-    _images("timm_res2net50_14w_8s", "timm", _timm("res2net50_14w_8s"), 64),
-    _images("timm_cspresnet50", "timm", _timm("cspresnet50"), 64),
-    _images("timm_nest_tiny", "timm", _timm("nest_tiny", img_size=32), 32),
-    _images("timm_levit_128s", "timm", _timm("levit_128s", img_size=64), 64),
-    _images("timm_mobilevitv2_050", "timm", _timm("mobilevitv2_050"), 64),
-    _images("timm_poolformer_s12", "timm", _timm("poolformer_s12"), 64),
-    _images("timm_pvt_v2_b0", "timm", _timm("pvt_v2_b0"), 64),
-    _images("timm_convnextv2_atto", "timm", _timm("convnextv2_atto"), 64),
-    _images("timm_edgenext_xx_small", "timm", _timm("edgenext_xx_small"), 64),
-    _images("timm_twins_svt_small", "timm", _timm("twins_svt_small"), 64),
+    *(_images(f"timm_{name}", "timm", _timm(name, **kwargs), size)
+      for name, size, kwargs in _TIMM_MODELS),
     _images("tv_googlenet", "torchvision",
             _torchvision("googlenet", aux_logits=False, init_weights=True), 64, _logits_loss),
     _images("tv_shufflenet_v2_x0_5", "torchvision", _torchvision("shufflenet_v2_x0_5"), 64),
