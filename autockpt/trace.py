@@ -251,7 +251,7 @@ def function_call(cls: type) -> Callable[..., Any]:
     nodes (fx names a target by its module and name, which ``apply`` of a C base lacks)."""
     with _CALLS_LOCK:
         if cls not in _CALLS:
-            apply = torch.autograd.Function.__dict__["apply"].__get__(None, cls)
+            apply = inspect.getattr_static(torch.autograd.Function, "apply").__get__(None, cls)
 
             def call(*args: Any, **kwargs: Any) -> Any:
                 return apply(*args, **kwargs)
@@ -265,7 +265,9 @@ def function_call(cls: type) -> Callable[..., Any]:
 def _apply_patched(apply: Callable[..., Any]) -> Iterator[None]:
     """``torch.autograd.Function.apply`` is ``apply(cls, real_apply, *args, **kwargs)``."""
     function = torch.autograd.Function
-    original = function.__dict__["apply"]
+    # A C classmethod on recent torch, a Python one on older releases, possibly inherited.
+    original = inspect.getattr_static(function, "apply")
+    own = "apply" in function.__dict__
 
     def patched(cls: type, *args: Any, **kwargs: Any) -> Any:
         return apply(cls, original.__get__(None, cls), *args, **kwargs)
@@ -274,7 +276,10 @@ def _apply_patched(apply: Callable[..., Any]) -> Iterator[None]:
     try:
         yield
     finally:
-        function.apply = original  # type: ignore[assignment]
+        if own:
+            function.apply = original  # type: ignore[assignment]
+        else:
+            del function.apply
 
 
 def _functions_as_calls(tracer: fx.Tracer) -> contextlib.AbstractContextManager[None]:

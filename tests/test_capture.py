@@ -380,3 +380,23 @@ def test_the_plan_says_when_export_traced_into_a_custom_function() -> None:
     traced = autockpt.plan(model, (torch.randn(8, 16),), capture="fx")
     assert not any("_TanhGelu" in note for note in traced.notes)
     assert "_TanhGelu" in str(exported)
+
+
+def test_tracing_leaves_autograd_function_apply_as_it_was() -> None:
+    """Tracing patches ``torch.autograd.Function.apply`` (NOTE [ Custom autograd Functions
+    stay whole ]); after a trace, a failed trace and an export it is torch's own again, and
+    a Function applied outside tracing runs as usual."""
+    import inspect
+
+    from autockpt.errors import TraceError
+
+    before = inspect.getattr_static(torch.autograd.Function, "apply")
+    torch.manual_seed(0)
+    autockpt.plan(nn.Sequential(_GeluMLP()), (torch.randn(4, 16),), capture="fx")
+    autockpt.plan(nn.Sequential(_GeluMLP()), (torch.randn(4, 16),), capture="export")
+    with pytest.raises(TraceError):
+        autockpt.capture.trace(BranchyNet(), (torch.randn(4, 16),))
+    assert inspect.getattr_static(torch.autograd.Function, "apply") is before
+    x = torch.randn(3, requires_grad=True)
+    _TanhGelu.apply(x).sum().backward()
+    assert x.grad is not None
