@@ -906,15 +906,13 @@ def _backward_grads(nodes: Sequence[NodeStat], stage_ends: Sequence[int], *,
             continue
         probed = len(node.input_grad_bytes) == len(node.inputs)
         targets = [(k, v) for k, v in enumerate(reads[u]) if carries[v]]
-        if probed:
-            work = node.backward_bytes
-            if grad_accumulation and node.accumulate_backward_bytes is not None:
-                work = node.accumulate_backward_bytes
+        if probed and grad_accumulation and node.accumulate_backward_bytes is not None:
+            # Every weight gradient is a temporary there, a tied one's too.
+            work = node.accumulate_backward_bytes
+        elif probed:
+            work = node.backward_bytes + node.summed_param_grad_bytes
         else:  # not probed: a new gradient for every input
-            work = sum(nodes[v].grad_bytes for _, v in targets)
-        if not (probed and grad_accumulation and node.accumulate_backward_bytes is not None):
-            # (With ``.grad`` there already, every weight gradient is counted as a temporary.)
-            work += node.summed_param_grad_bytes
+            work = sum(nodes[v].grad_bytes for _, v in targets) + node.summed_param_grad_bytes
         peak = alive + work
         for k, v in targets:
             handed = node.input_grad_bytes[k] if probed else nodes[v].grad_bytes

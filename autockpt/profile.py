@@ -859,21 +859,18 @@ class _ProfileRunner(fx.Interpreter):
         for index, reads in enumerate(self._param_reads):
             for key in reads:
                 first_reader.setdefault(key, index)
+        shared: set[int] = set()
         for index, reads in enumerate(self._param_reads):
             held = tuple((size, first_reader[key]) for key, size in reads.items()
                          if first_reader[key] != index)
+            shared.update(key for key in reads if first_reader[key] != index)
             if held:
                 self._stats[index] = replace(self._stats[index], param_grad_held=held)
         # The first reader's own gradient of such a parameter is a temporary too: it is added
         # to the held ones when its backward has run.
-        summed: dict[int, int] = {}
-        for index, reads in enumerate(self._param_reads):
-            for key, size in reads.items():
-                if first_reader[key] != index and key not in summed:
-                    summed[key] = size
         for index, reads in enumerate(self._param_reads):
             own = sum(size for key, size in reads.items()
-                      if key in summed and first_reader[key] == index)
+                      if key in shared and first_reader[key] == index)
             if own:
                 self._stats[index] = replace(self._stats[index], summed_param_grad_bytes=own)
         storages = tuple(

@@ -342,7 +342,7 @@ class _GeluMLP(nn.Module):
 def test_a_custom_autograd_function_stays_whole(mode: str) -> None:
     """NOTE [ Custom autograd Functions stay whole ] in autockpt/trace.py: traced into, the
     Function's eight elementwise ops each saved a tensor for autograd's backward, and the
-    graph without any checkpointing needed 2.5x the model's own activation memory. Kept as
+    plan put the graph's baseline at 2.5x the model's measured peak. Kept as
     one call, the graph's baseline is the model's, and training runs the Function's own
     backward, with the same gradients."""
     torch.manual_seed(0)
