@@ -46,6 +46,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import flop_counter as flop_formulas
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -154,6 +155,51 @@ def _rebuild_dict(original: dict[Any, Any], mapped: dict[Any, Any]) -> dict[Any,
         return mapped
 
 
+# --------------------------------------------------------------------------- fake storages
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (shapes and storages, no data): its storage is
+    on the meta device and has no address, but lives and dies as a real one would."""
+    return isinstance(tensor, FakeTensor)
+
+
+def _reduced_losses() -> tuple[Any, ...]:
+    aten = torch.ops.aten
+    return tuple(getattr(aten, name).default for name in
+                 ("mse_loss", "smooth_l1_loss", "binary_cross_entropy")
+                 if hasattr(aten, name))
+
+
+_REDUCED_LOSSES = _reduced_losses()
+"""Losses whose kernels return the reduced loss in the storage of the element-wise one."""
+_WIDENED_DEVICES = frozenset({"cpu", "cuda"})
+"""The devices whose kernels of :data:`_REDUCED_LOSSES` do that (others are not known)."""
+
+
+def widen_reduced_loss(func: Any, args: tuple[Any, ...], out: Any) -> None:
+    """Give a fake result the storage the real kernel gives it (the profile's and the replay's
+    fake steps call it after every op).
+
+    The CPU and CUDA kernels of ``mse_loss``, ``smooth_l1_loss`` and ``binary_cross_entropy``
+    compute the element-wise loss into a buffer the size of their input and reduce it into
+    that buffer: the scalar they return keeps the whole buffer alive for as long as the
+    caller keeps the loss (through backward). Fake kernels make a 4-byte storage. On CUDA
+    this was measured on an H100 (benchmarks/RESULTS.md, 2026-11-26): a UNet trained with
+    ``mse_loss`` held its output's size, 3 MiB, beyond an estimate that widened on the CPU
+    only, and the same step measured the same bytes on both devices.
+    """
+    if func not in _REDUCED_LOSSES or not isinstance(out, torch.Tensor) or out.dim() != 0:
+        return
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor) or first.device.type not in _WIDENED_DEVICES:
+        return
+    # Reduction "none" returns the element-wise loss itself, not a scalar: left above.
+    nbytes = first.numel() * out.element_size()
+    if out.untyped_storage().nbytes() < nbytes:
+        out.untyped_storage().resize_(nbytes)
+
+
 # --------------------------------------------------------------------------- storages
 
 
@@ -166,7 +212,8 @@ def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
         tensor = local
     try:
         storage = tensor.untyped_storage()
-        storage.data_ptr()  # a wrapper subclass's storage refuses it: nothing to account for
+        if not is_fake(tensor):
+            storage.data_ptr()  # a wrapper subclass's storage refuses it: nothing to count
         return storage
     except (RuntimeError, NotImplementedError, TypeError):
         return None

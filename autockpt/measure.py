@@ -67,8 +67,8 @@ import torch
 
 from autockpt.budget import storage_bytes
 from autockpt.errors import AutockptError, InvalidArgumentError
-from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, map_tensors,
-                                 storage_of, tensors)
+from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, is_fake,
+                                 map_tensors, storage_of, tensors)
 from autockpt.loss import LossFn, call_loss, check_loss_fn, inner_loss, output_tensors
 from autockpt.units import format_bytes, format_seconds
 
@@ -186,6 +186,9 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
 
         self._excluded_storages: list[torch.UntypedStorage] = []
         self._excluded_ptrs: set[int] = set()
+        # Also by identity: a fake tensor's storage has no address (held strongly above, so
+        # an id is not reused meanwhile).
+        self._excluded_ids: set[int] = set()
         for item in exclude_list:
             if isinstance(item, torch.Tensor):
                 storage = storage_of(item)
@@ -198,8 +201,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
                 )
             if storage is None or storage.nbytes() == 0:
                 continue
-            self._excluded_storages.append(storage)
-            self._excluded_ptrs.add(storage.data_ptr())
+            self._exclude(storage)
 
         # Storages counted and alive: (nbytes, index of the op that allocated it, for
         # reclassify()).
@@ -303,8 +305,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             storage = storage_of(tensor)
             if storage is None:
                 return
-            self._excluded_storages.append(storage)
-            self._excluded_ptrs.add(storage.data_ptr())
+            self._exclude(storage)
             entry = self._live.pop(storage)
             if entry is None:
                 return
@@ -362,8 +363,15 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
                 self._live.clear()
                 self._foreign.clear()
                 self._excluded_storages.clear()
+                self._excluded_ids.clear()
 
     # -- bookkeeping, called from the dispatch mode and from weakref callbacks -----------
+
+    def _exclude(self, storage: torch.UntypedStorage) -> None:
+        self._excluded_storages.append(storage)
+        self._excluded_ids.add(id(storage))
+        if storage.device.type != "meta":
+            self._excluded_ptrs.add(storage.data_ptr())
 
     def _after_op(self, op: Op, out: Any) -> None:
         with self._lock:
@@ -404,7 +412,8 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             return
         if storage in self._foreign:
             return
-        device = storage.device
+        fake = is_fake(tensor)
+        device = tensor.device if fake else storage.device
         if device.type == "meta":
             return
         if self._device is not None and (
@@ -415,7 +424,8 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
-        if storage.data_ptr() in self._excluded_ptrs:
+        if id(storage) in self._excluded_ids or (
+                not fake and storage.data_ptr() in self._excluded_ptrs):
             return
         self._live.add(storage, (nbytes, len(self._op_bytes)))
         self._add(nbytes)

@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_map
 from autockpt.errors import InvalidArgumentError
 from autockpt.capture import has_hooks
 from autockpt.instrument import (FlopTally, LiveStorages, Op, OpObserver, OpWatch, SavedTensors,
-                                 map_tensors, run_with_state, storage_key, tensors, watch_saved)
+                                 map_tensors, run_with_state, storage_key, tensors, watch_saved,
+                                 widen_reduced_loss)
 from autockpt.loss import LossFn, call_loss, inner_loss
 from autockpt.shape_rules import SHAPE_RULES
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
@@ -107,7 +108,7 @@ class _WorkingSet(OpObserver):
             self.written.add(storage_key(t))
 
     def after_op(self, op: Op, out: Any) -> None:
-        _widen_reduced_loss(op.func, op.args, op.kwargs, out)
+        widen_reduced_loss(op.func, op.args, out)
         for t in tensors(out):
             if storage_key(t) not in self.old_keys:
                 self._note_output(t)
@@ -130,42 +131,6 @@ _ALIASING = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.defau
 _SHAPE_RULES = SHAPE_RULES
 """The ops whose fake outputs a rule makes (NOTE [ Ops answered by a shape rule ] in
 :mod:`autockpt.shape_rules`); tests set it to ``{}`` to run every op."""
-
-
-def _reduced_losses() -> tuple[Any, ...]:
-    aten = torch.ops.aten
-    return tuple(getattr(aten, name).default for name in
-                 ("mse_loss", "smooth_l1_loss", "binary_cross_entropy")
-                 if hasattr(aten, name))
-
-
-_REDUCED_LOSSES = _reduced_losses()
-"""Losses whose kernels return the reduced loss in the storage of the element-wise one."""
-_WIDENED_DEVICES = frozenset({"cpu", "cuda"})
-"""The devices whose kernels of :data:`_REDUCED_LOSSES` do that (others are not known)."""
-
-
-def _widen_reduced_loss(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
-                        ) -> None:
-    """Give a fake result the storage the real kernel gives it.
-
-    The CPU and CUDA kernels of ``mse_loss``, ``smooth_l1_loss`` and ``binary_cross_entropy``
-    compute the element-wise loss into a buffer the size of their input and reduce it into
-    that buffer: the scalar they return keeps the whole buffer alive for as long as the
-    caller keeps the loss (through backward). Fake kernels make a 4-byte storage. On CUDA
-    this was measured on an H100 (benchmarks/RESULTS.md, 2026-11-26): a UNet trained with
-    ``mse_loss`` held its output's size, 3 MiB, beyond an estimate that widened on the CPU
-    only, and the same step measured the same bytes on both devices.
-    """
-    if func not in _REDUCED_LOSSES or not isinstance(out, torch.Tensor) or out.dim() != 0:
-        return
-    first = args[0] if args else None
-    if not isinstance(first, torch.Tensor) or first.device.type not in _WIDENED_DEVICES:
-        return
-    # Reduction "none" returns the element-wise loss itself, not a scalar: left above.
-    nbytes = first.numel() * out.element_size()
-    if out.untyped_storage().nbytes() < nbytes:
-        out.untyped_storage().resize_(nbytes)
 
 
 def describe_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

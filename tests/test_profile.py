@@ -193,7 +193,7 @@ def test_a_reduced_loss_gets_the_buffer_its_real_kernel_keeps(device: str, loss:
     # which the scalar keeps alive through backward. Fake CUDA tensors need no GPU.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autockpt.profile import _widen_reduced_loss
+    from autockpt.instrument import widen_reduced_loss
 
     func = getattr(torch.ops.aten, loss).default
     with FakeTensorMode():
@@ -201,10 +201,10 @@ def test_a_reduced_loss_gets_the_buffer_its_real_kernel_keeps(device: str, loss:
         target = torch.rand(16, 3, 8, 8, device=device)
         out = func(x, target)
         assert out.untyped_storage().nbytes() == 4  # the fake kernel's own storage
-        _widen_reduced_loss(func, (x, target), {}, out)
+        widen_reduced_loss(func, (x, target), out)
         assert out.untyped_storage().nbytes() == x.numel() * 4
         none = func(x, target, reduction=0)  # "none": the element-wise loss itself
-        _widen_reduced_loss(func, (x, target), {"reduction": 0}, none)
+        widen_reduced_loss(func, (x, target, 0), none)
         assert none.untyped_storage().nbytes() == x.numel() * 4
     if device == "cpu":  # what the real kernel does, where this machine can run it
         real = func(torch.rand(16, 3, 8, 8), torch.rand(16, 3, 8, 8))
