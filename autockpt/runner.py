@@ -44,6 +44,7 @@ ATen op: a tracked memory curve is the same with and without observers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -54,9 +55,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.planner import Segment
+from autockpt.rewrite import SegmentProgram
 
 __all__ = ["CheckpointedForward", "SegmentObserver", "SegmentRun", "observe_segments",
-           "run_checkpointed"]
+           "run_checkpointed", "run_segment"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,18 @@ def run_checkpointed(
     finally:
         for observer in observers:
             observer.segment_finished(run)
+
+
+def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: tuple[Any, ...]
+                ) -> Any:
+    """Run one compiled segment of ``module`` under checkpoint, as its plan row says."""
+    if not torch.is_grad_enabled():
+        return program.fn(module, *inputs)
+    segment = program.segment
+    run = SegmentRun(module=module, segment=segment, block="", mode=mode,
+                     dummy_arg=segment.dummy_arg)
+    return run_checkpointed(run, functools.partial(program.fn, module), inputs,
+                            preserve_rng=segment.preserve_rng, buffers=segment.buffers)
 
 
 def _guarded(run: SegmentRun, fn: Callable[..., Any], buffers: Sequence[str],

@@ -16,7 +16,6 @@ needed ] there).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import warnings
 from collections import OrderedDict
@@ -33,8 +32,8 @@ from autockpt.errors import AutockptError, BudgetWarning
 # Modules pickled before the pipeline existed name autockpt.runtime.ApplyConfig.
 from autockpt.pipeline import ApplyConfig, BlockPlan
 from autockpt.planner import Plan
-from autockpt.rewrite import Program, SegmentProgram
-from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
+from autockpt.rewrite import Program
+from autockpt.runner import CheckpointedForward, run_segment
 from autockpt.trace import base_class, bind_inputs, generated_subclass, shallow_view
 from autockpt.units import format_names
 
@@ -247,21 +246,6 @@ def _value_key(value: Any, devices: set[str]) -> Any:
             (f.name, _value_key(getattr(value, f.name), devices))
             for f in dataclasses.fields(value)))
     return type(value).__name__
-
-
-# --------------------------------------------------------------------------- running a segment
-
-
-def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: tuple[Any, ...]
-                ) -> Any:
-    """Run one compiled segment of ``module`` under checkpoint (:mod:`autockpt.runner`)."""
-    if not torch.is_grad_enabled():
-        return program.fn(module, *inputs)
-    segment = program.segment
-    run = SegmentRun(module=module, segment=segment, block="", mode=mode,
-                     dummy_arg=segment.dummy_arg)
-    return run_checkpointed(run, functools.partial(program.fn, module), inputs,
-                            preserve_rng=segment.preserve_rng, buffers=segment.buffers)
 
 
 # --------------------------------------------------------------------------- the class
