@@ -150,6 +150,10 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             that their addresses cannot be reused by new allocations.
         device: count only storages on this device (``"cuda"`` matches every CUDA device,
             ``"cuda:1"`` only that one). None counts every device except ``meta``.
+        fake: count fake tensors (``FakeTensorMode``), on their fake device, instead of
+            passing them over as ``meta`` storages: a step run on shapes alone, as
+            :mod:`autockpt.replay` runs one. Off, fake ops the tracked code runs (autockpt
+            planning inside it) are not counted.
 
     Example:
         >>> import torch
@@ -172,7 +176,9 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
         exclude: Iterable[torch.Tensor | torch.UntypedStorage] = (),
         *,
         device: torch.device | str | None = None,
+        fake: bool = False,
     ) -> None:
+        self._fake = fake
         if isinstance(exclude, (torch.Tensor, torch.UntypedStorage)):
             exclude = (exclude,)
         try:
@@ -412,7 +418,7 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             return
         if storage in self._foreign:
             return
-        fake = is_fake(tensor)
+        fake = self._fake and is_fake(tensor)
         device = tensor.device if fake else storage.device
         if device.type == "meta":
             return
@@ -638,7 +644,7 @@ def measure(
 
 def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               loss_fn: LossFn | None, *, optimizer: torch.optim.Optimizer | None = None,
-              grad_accumulation: bool = False) -> _Step:
+              grad_accumulation: bool = False, fake: bool = False) -> _Step:
     """A training step of ``model`` on these (already checked) inputs, set up the way
     :func:`measure` measures it: non-leaf inputs detached, the leaves whose ``.grad`` backward
     writes collected, the device found."""
@@ -658,7 +664,7 @@ def make_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     accumulating = ([p for p in parameters if p.requires_grad and p.is_leaf]
                     if grad_accumulation else [])
     return _Step(model, args, kwargs, loss_fn, list(grad_leaves.values()), device, optimizer,
-                 list({id(p): p for p in accumulating}.values()))
+                 list({id(p): p for p in accumulating}.values()), fake)
 
 
 @dataclass
@@ -683,6 +689,8 @@ class _Step:
     optimizer: torch.optim.Optimizer | None = None
     accumulating: list[torch.Tensor] = field(default_factory=list)
     """Parameters whose ``.grad`` is allocated before the step (gradient accumulation)."""
+    fake: bool = False
+    """The step runs on fake tensors, which its trackers count."""
     tracker: track_activation_memory | None = field(default=None, init=False)
     """The tracker of the tracked step running now, for marks made from outside (the
     memory picture marks its segments); ``None`` between steps."""
@@ -731,9 +739,10 @@ class _Step:
 
             exclude = self.existing_tensors()
             # See NOTE [ The whole step ].
-            whole = (track_activation_memory(exclude=exclude, device=self.device)
+            whole = (track_activation_memory(exclude=exclude, device=self.device, fake=self.fake)
                      if self.optimizer is not None else None)
-            tracker = track_activation_memory(exclude=exclude, device=self.device)
+            tracker = track_activation_memory(exclude=exclude, device=self.device,
+                                              fake=self.fake)
             handles = [
                 leaf.register_post_accumulate_grad_hook(
                     lambda leaf: tracker.reclassify(leaf.grad)  # type: ignore[arg-type]

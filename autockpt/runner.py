@@ -58,7 +58,7 @@ from autockpt.planner import Segment
 from autockpt.rewrite import SegmentProgram
 
 __all__ = ["CheckpointedForward", "SegmentObserver", "SegmentRun", "observe_segments",
-           "run_checkpointed", "run_segment"]
+           "run_checkpointed", "run_segment", "unobserved"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,19 @@ def run_checkpointed(
     finally:
         for observer in observers:
             observer.segment_finished(run)
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """Run the block's segments unheard by this thread's observers: autockpt's replay of a
+    plan on fake tensors (:mod:`autockpt.replay`), which may run while a user's step is
+    observed (a module planned at its first forward)."""
+    previous = _observers()
+    _LOCAL.observers = ()
+    try:
+        yield
+    finally:
+        _LOCAL.observers = previous
 
 
 def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: tuple[Any, ...]
