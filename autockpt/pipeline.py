@@ -34,6 +34,7 @@ from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumen
 from autockpt.loss import LossFn
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import ProfileShare, profile
+from autockpt.replay import replay_peak_bytes
 from autockpt.rewrite import Program, graph_fingerprint, rewrite
 from autockpt.stats import LOSS_OP, ChunkedHead, Profile, RowStretch
 from autockpt.timing import time_nodes
@@ -320,9 +321,7 @@ def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
             for node in stats.nodes))
     try:
         with _whole_device(device):
-            plan = make_plan(stats, budget_bytes, strategy=config.strategy, mode=config.mode,
-                             model=base_class(module).__name__,
-                             grad_accumulation=config.grad_accumulation)
+            plan = _planned(module, traced, inputs, stats, config, budget_bytes)
     except InfeasibleBudgetError as err:
         return None, err, stats
     plan = replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
@@ -332,6 +331,90 @@ def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
                    chunked_head=head,
                    forward_flops=plan.forward_flops - (head.gradient_flops if head else 0))
     return GraphPlan(traced, plan), None, stats
+
+
+REPLANS = 3
+"""How many times a reentrant plan whose replay is above the budget is planned again, each
+time under a budget lowered by the excess, before the least-memory plan is tried."""
+
+
+def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], stats: Profile,
+             config: ApplyConfig, budget_bytes: int | None) -> Plan:
+    """The plan for ``budget_bytes``. In reentrant mode the plan the memory model chose is
+    replayed on fake tensors, and its replayed peak is its estimate; one replayed above the
+    budget is planned again lower (NOTE [ Replaying a plan on fake tensors ] in
+    :mod:`autockpt.replay`).
+
+    Raises:
+        InfeasibleBudgetError: no plan fits; in reentrant mode the least reachable is the
+            replayed peak of the least-memory plan.
+    """
+    def planned_for(budget: int | None) -> Plan:
+        return make_plan(stats, budget, strategy=config.strategy, mode=config.mode,
+                         model=base_class(module).__name__,
+                         grad_accumulation=config.grad_accumulation)
+
+    if config.mode != "reentrant":
+        return planned_for(budget_bytes)
+
+    def replayed(plan: Plan) -> Plan:
+        return _replayed(module, traced, inputs, config, plan)
+
+    try:
+        plan = replayed(planned_for(budget_bytes))
+    except InfeasibleBudgetError:
+        # The model prices its least plan above the budget; the replay may not.
+        assert budget_bytes is not None
+    else:
+        if budget_bytes is None or plan.estimated_peak_bytes <= budget_bytes or (
+                plan.estimate != "replay"):
+            return plan
+        target = budget_bytes
+        for _ in range(REPLANS):
+            target -= plan.estimated_peak_bytes - budget_bytes
+            try:
+                plan = replayed(planned_for(target))
+            except InfeasibleBudgetError:
+                break
+            if plan.estimated_peak_bytes <= budget_bytes:
+                return _lowered(plan, budget_bytes, "planned under a lower budget: the memory "
+                                "model's plan for the budget replayed above it")
+    least = replayed(planned_for(None))
+    if least.estimated_peak_bytes <= budget_bytes:
+        return _lowered(least, budget_bytes, "the least-memory plan, which alone replayed "
+                        "within the budget")
+    raise _infeasible(least, budget_bytes)
+
+
+def _replayed(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
+              config: ApplyConfig, plan: Plan) -> Plan:
+    """``plan`` with its replayed peak as its estimate, or with a note saying why the model's
+    estimate stands."""
+    try:
+        peak = replay_peak_bytes(module, traced, plan, inputs, loss_fn=config.loss_fn,
+                                 grad_accumulation=config.grad_accumulation)
+    except Exception as err:  # noqa: BLE001 - any failure on fake tensors: the model's estimate
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return replace(plan, notes=(
+            *plan.notes, "the estimate is the memory model's: replaying the step on fake "
+            f"tensors raised {type(err).__name__}" + (f" ({reason[:200]})" if reason else "")))
+    least = peak if plan.budget_bytes is None else min(plan.min_peak_bytes, peak)
+    return replace(plan, estimated_peak_bytes=peak, min_peak_bytes=least, estimate="replay",
+                   modelled_peak_bytes=plan.estimated_peak_bytes)
+
+
+def _lowered(plan: Plan, budget_bytes: int, note: str) -> Plan:
+    """A plan made under another budget than ``budget_bytes``, for it."""
+    return replace(plan, budget_bytes=budget_bytes, notes=(*plan.notes, note))
+
+
+def _infeasible(least: Plan, budget_bytes: int) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(
+        f"{least.model or 'the model'} needs at least {format_bytes(least.estimated_peak_bytes)}"
+        f" of activation memory at inputs ({least.input_signature}) in reentrant mode (its "
+        f"least-memory plan{', replayed' if least.estimate == 'replay' else ''}); the budget "
+        f"is {format_bytes(budget_bytes)}",
+        budget_bytes=budget_bytes, min_feasible_bytes=least.estimated_peak_bytes)
 
 
 def _chunking_may_pay(plain: GraphPlan, stats: Profile, stretch: RowStretch) -> bool:

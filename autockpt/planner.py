@@ -161,6 +161,13 @@ class Plan:
     cross-entropy) in chunks of rows: which nodes, how many chunks, and the FLOPs their
     recompute costs (counted in :attr:`recompute_flops`). The logits the model returned beside
     the loss are then ``None``."""
+    estimate: str = "model"
+    """How :attr:`estimated_peak_bytes` was found: ``"model"``, by the memory model that
+    chose the segments, or ``"replay"``, by running the plan's step on fake tensors (reentrant
+    mode; NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.replay`)."""
+    modelled_peak_bytes: int | None = None
+    """Where :attr:`estimate` is ``"replay"``: the memory model's estimate of the plan's peak,
+    by which the search chose it; ``None`` where :attr:`estimated_peak_bytes` is that."""
     cost_model: str = "flops"
     """What the recompute cost the segments were chosen by measures: ``"flops"`` (FLOPs plus
     bytes written, from the fake-tensor profile; the same plan every time) or ``"profile"``

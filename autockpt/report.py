@@ -87,7 +87,8 @@ def plan_summary(plan: Plan) -> list[str]:
         f"  mode {plan.mode}, strategy {plan.strategy}, {plan.node_count} graph nodes",
         f"  baseline peak   {format_bytes(plan.baseline_peak_bytes)} (no checkpointing)",
         f"  estimated peak  {format_bytes(plan.estimated_peak_bytes)}"
-        f" (least reachable {format_bytes(plan.min_peak_bytes)})",
+        f" (least reachable {format_bytes(plan.min_peak_bytes)}"
+        f"{'; the step replayed on fake tensors' if plan.estimate == 'replay' else ''})",
         f"  budget          {budget}",
         f"  recompute       {format_flops(plan.recompute_flops)} ({ratio})",
         f"  segments        {len(plan.segments)} checkpointed{nested}, "

@@ -11,6 +11,7 @@ This module deliberately does not import autockpt.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -172,3 +173,20 @@ def cross_entropy(spec: GraphSpec):  # type: ignore[no-untyped-def]
         return F.cross_entropy(out, labels)
 
     return loss
+
+
+def seeded_spec(seed: int) -> GraphSpec:
+    """A graph drawn the way tests/test_random_graphs.py draws them, from a seeded
+    ``random.Random`` (benchmarks/estimate_accuracy.py's seeds): reproducible without
+    hypothesis."""
+    rng = random.Random(seed)
+    inputs = rng.randint(1, 3)
+    layers = []
+    for k in range(rng.randint(4, 20)):
+        latest = inputs + k - 1
+        extra = rng.sample(range(latest + 1), k=min(rng.randint(0, 2), latest + 1))
+        layers.append(LayerSpec(reads=tuple(sorted({latest, *extra})),
+                                combine=rng.choice(COMBINES), op=rng.choice(OPS),
+                                frozen=rng.randint(0, 5) == 0))
+    return GraphSpec(inputs=inputs, inputs_require_grad=rng.random() < 0.5,
+                     layers=tuple(layers), batch=rng.choice((64, 256)))

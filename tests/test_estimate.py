@@ -1,6 +1,11 @@
 """The plan's estimated peak is close to the peak the measure sees: within 10% for every zoo
 case at the least memory, at half the baseline and with no checkpointing, in both modes, with a
-real loss (one that sends an output-sized gradient into every output) planned and measured."""
+real loss (one that sends an output-sized gradient into every output) planned and measured.
+
+In reentrant mode the plan's estimate is its step replayed on fake tensors (NOTE [ Replaying a
+plan on fake tensors ] in autockpt/replay.py); the tests of single faults of the memory model
+check the model's own estimate, :attr:`~autockpt.Plan.modelled_peak_bytes`, by which the
+search chooses."""
 
 from __future__ import annotations
 
@@ -26,6 +31,13 @@ def squares(output: Any) -> torch.Tensor:
     tensors = [t for t in autockpt.loss.output_tensors(output)
                if t.is_floating_point() and t.requires_grad]
     return torch.stack([t.float().square().mean() for t in tensors]).sum()
+
+
+def modelled(plan: autockpt.Plan) -> int:
+    """The memory model's estimate of ``plan`` (which a reentrant plan's replay replaces):
+    what the search chose the plan by, checked here on its own."""
+    return (plan.estimated_peak_bytes if plan.modelled_peak_bytes is None
+            else plan.modelled_peak_bytes)
 
 
 def _params() -> list[object]:
@@ -57,11 +69,11 @@ def test_estimate_is_within_10_percent_of_the_measured_peak(case: ZooCase, mode:
         seen.add(segments)
         measured = autockpt.measure(ckpt, args, example_kwargs=kwargs,
                                     loss_fn=squares).peak_activation_bytes
-        estimated = plan.estimated_peak_bytes
-        assert abs(estimated - measured) <= TOLERANCE * measured, (
-            f"{case.name} at {fraction} ({mode}, {len(segments)} segments): estimated "
-            f"{estimated} B, measured {measured} B ({estimated / measured:.3f}x)"
-        )
+        for estimated in (plan.estimated_peak_bytes, modelled(plan)):
+            assert abs(estimated - measured) <= TOLERANCE * measured, (
+                f"{case.name} at {fraction} ({mode}, {len(segments)} segments): estimated "
+                f"{estimated} B, measured {measured} B ({estimated / measured:.3f}x)"
+            )
 
 
 @pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
@@ -88,8 +100,8 @@ def test_recompute_clones_of_batchnorm_statistics_are_counted(mode: str) -> None
     plan = autockpt.plan_of(transformed)
     assert any(segment.buffers for segment in plan.segments)  # BatchNorms are recomputed
     measured = autockpt.measure(transformed, (x,), loss_fn=loss_fn).peak_activation_bytes
-    assert abs(plan.estimated_peak_bytes - measured) <= 0.002 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert abs(modelled(plan) - measured) <= 0.002 * measured, (
+        modelled(plan), measured)
 
 
 class _TiedInTheMiddle(torch.nn.Module):
@@ -136,7 +148,7 @@ def test_the_first_readers_gradient_of_a_tied_parameter_is_counted(mode: str) ->
         transformed = autockpt.apply(model, None, example_inputs=args, mode=mode,
                                      loss_fn=loss_fn)
     measured = autockpt.measure(transformed, args, loss_fn=loss_fn).peak_activation_bytes
-    estimated = autockpt.plan_of(transformed).estimated_peak_bytes
+    estimated = modelled(autockpt.plan_of(transformed))
     assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
 
 
@@ -173,8 +185,8 @@ def test_a_reentrant_segment_copies_only_the_input_gradients_it_must() -> None:
               ((2, 3, 12), "gate", "tanh", False), ((4, 7, 13), "gate", "norm", False),
               ((14,), "sum", "dropout", True))
     plan, measured = _least_reentrant_estimate(layers, inputs=1)
-    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert 0.999 * measured <= modelled(plan) <= 1.005 * measured, (
+        modelled(plan), measured)
 
 
 def test_a_reentrant_segment_does_not_count_its_handed_gradients_twice() -> None:
@@ -190,8 +202,8 @@ def test_a_reentrant_segment_does_not_count_its_handed_gradients_twice() -> None
               ((8,), "sum", "linear_relu", True), ((9,), "sum", "norm", False))
     plan, measured = _least_reentrant_estimate(layers, inputs=3)
     assert sum(s.checkpointed for s in plan.segments) == 1
-    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert 0.999 * measured <= modelled(plan) <= 1.005 * measured, (
+        modelled(plan), measured)
 
 
 def test_a_gradient_handed_as_a_view_is_not_taken_off_again() -> None:
@@ -209,8 +221,8 @@ def test_a_gradient_handed_as_a_view_is_not_taken_off_again() -> None:
               ((12,), "cat", "mlp", False), ((13,), "sum", "tanh", False),
               ((0, 14), "cat", "linear", False), ((9, 15), "cat", "mlp", True))
     plan, measured = _least_reentrant_estimate(layers, inputs=3, batch=64)
-    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert 0.999 * measured <= modelled(plan) <= 1.005 * measured, (
+        modelled(plan), measured)
 
 
 def test_an_add_of_two_inputs_of_a_reentrant_segment_copies_one_gradient() -> None:
@@ -231,8 +243,8 @@ def test_an_add_of_two_inputs_of_a_reentrant_segment_copies_one_gradient() -> No
               ((5, 17), "gate", "tanh", True), ((6, 13, 18), "gate", "linear", False),
               ((16, 19), "sum", "linear_relu", False), ((5, 6, 20), "sum", "norm", False))
     plan, measured = _least_reentrant_estimate(layers, inputs=2, batch=64)
-    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert 0.999 * measured <= modelled(plan) <= 1.005 * measured, (
+        modelled(plan), measured)
 
 
 def test_a_reentrant_segment_counts_no_copy_of_a_gradient_autograd_sums_or_holds() -> None:
@@ -250,8 +262,8 @@ def test_a_reentrant_segment_counts_no_copy_of_a_gradient_autograd_sums_or_holds
               ((9,), "gate", "tanh", False), ((5, 9, 10), "gate", "linear_relu", False),
               ((11,), "gate", "linear_relu", False), ((12,), "cat", "dropout", False))
     plan, measured = _least_reentrant_estimate(layers, inputs=2)
-    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert 0.999 * measured <= modelled(plan) <= 1.005 * measured, (
+        modelled(plan), measured)
 
 
 def test_a_skip_tensor_holds_the_base_of_the_slice_a_reentrant_segment_is_handed() -> None:
@@ -265,8 +277,8 @@ def test_a_skip_tensor_holds_the_base_of_the_slice_a_reentrant_segment_is_handed
               ((3, 4), "cat", "linear_relu", True), ((5,), "cat", "linear", False),
               ((2, 6), "gate", "mlp", False), ((5, 7), "gate", "dropout", True))
     plan, measured = _least_reentrant_estimate(layers, inputs=3, batch=64)
-    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert 0.999 * measured <= modelled(plan) <= 1.005 * measured, (
+        modelled(plan), measured)
 
 
 def test_an_input_that_requires_grad_is_a_leaf_of_a_reentrant_segment() -> None:
@@ -283,8 +295,8 @@ def test_an_input_that_requires_grad_is_a_leaf_of_a_reentrant_segment() -> None:
               ((0, 10), "sum", "dropout", False), ((5, 11), "cat", "dropout", False),
               ((2, 7, 12), "sum", "linear", False))
     plan, measured = _least_reentrant_estimate(layers, inputs=1, inputs_require_grad=True)
-    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert 0.999 * measured <= modelled(plan) <= 1.005 * measured, (
+        modelled(plan), measured)
 
 
 def test_a_reentrant_segment_delays_the_sum_of_a_skip_tensors_gradient() -> None:
@@ -297,8 +309,8 @@ def test_a_reentrant_segment_delays_the_sum_of_a_skip_tensors_gradient() -> None
               ((4,), "cat", "dropout", False), ((3, 4, 5), "sum", "tanh", False),
               ((6,), "cat", "norm", False))
     plan, measured = _least_reentrant_estimate(layers, inputs=3, inputs_require_grad=True)
-    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert 0.999 * measured <= modelled(plan) <= 1.005 * measured, (
+        modelled(plan), measured)
 
 
 def test_a_reentrant_segment_copies_every_slice_before_the_base_goes() -> None:
@@ -318,5 +330,5 @@ def test_a_reentrant_segment_copies_every_slice_before_the_base_goes() -> None:
               ((17,), "sum", "norm", True), ((18,), "sum", "linear_relu", False),
               ((11, 19), "cat", "mlp", True), ((20,), "sum", "dropout", False))
     plan, measured = _least_reentrant_estimate(layers, inputs=2, batch=64)
-    assert 0.999 * measured <= plan.estimated_peak_bytes <= 1.005 * measured, (
-        plan.estimated_peak_bytes, measured)
+    assert 0.999 * measured <= modelled(plan) <= 1.005 * measured, (
+        modelled(plan), measured)
