@@ -30,7 +30,7 @@ from torch import nn
 from autockpt.errors import InvalidArgumentError
 
 __all__ = ["LossFn", "NAMED_LOSSES", "default_loss", "inner_loss", "named_loss", "check_loss_fn",
-           "output_tensors", "call_loss", "WithLoss", "with_loss"]
+           "output_tensors", "call_loss", "planned_loss", "WithLoss", "with_loss"]
 
 LossFn = Callable[[Any], torch.Tensor]
 """``loss_fn(output) -> scalar tensor``: what a training step backpropagates from."""
@@ -99,6 +99,44 @@ def default_loss(output: Any) -> torch.Tensor | None:
     """
     own = inner_loss(output)
     return own if own is not None else _sum_of_outputs(output)
+
+
+def planned_loss(output: Any) -> torch.Tensor:
+    """The loss a plan prices when it is given none (NOTE [ The default loss ]): the model's
+    own loss when its output holds one, else a new gradient the size of each floating-point
+    output that requires grad, all made when backward starts, as from a real loss. A replay of
+    the plan (:mod:`autockpt.replay`) runs it; a step measured with it drops the rest of the
+    output before backward when the model's own loss is used, as the default does.
+
+    Example:
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> planned_loss(x * 2).backward()
+        >>> x.grad  # the zeros a real loss's gradient stands for, times 2
+        tensor([[0., 0., 0.],
+                [0., 0., 0.]])
+    """
+    own = inner_loss(output)
+    if own is not None:
+        return own
+    outputs = [t for t in output_tensors(output) if t.is_floating_point() and t.requires_grad]
+    if not outputs:
+        raise InvalidArgumentError("the output holds no floating-point tensor that requires "
+                                   "grad", fix="pass loss_fn")
+    return _OutputSizedGradient.apply(*outputs)
+
+
+class _OutputSizedGradient(torch.autograd.Function):
+    """A zero loss whose backward hands each of its inputs a new gradient of its size."""
+
+    @staticmethod
+    def forward(ctx: Any, *outputs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
+        return outputs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        return tuple(torch.zeros(shape, dtype=dtype, device=device)
+                     for shape, dtype, device in ctx.shapes)
 
 
 def _sum_of_outputs(output: Any) -> torch.Tensor | None:

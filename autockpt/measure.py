@@ -69,7 +69,8 @@ from autockpt.budget import storage_bytes
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, is_fake,
                                  map_tensors, storage_of, tensors)
-from autockpt.loss import LossFn, call_loss, check_loss_fn, inner_loss, output_tensors
+from autockpt.loss import (LossFn, call_loss, check_loss_fn, inner_loss, output_tensors,
+                           planned_loss)
 from autockpt.units import format_bytes, format_seconds
 
 __all__ = [
@@ -792,7 +793,7 @@ class _Step:
             if tracker is not None:
                 tracker.mark("loss")
             loss = call_loss(self.loss_fn, output, model_name)
-            if self.loss_fn is None and inner_loss(output) is not None:
+            if self.loss_fn in (None, planned_loss) and inner_loss(output) is not None:
                 # The model's own loss: the loop keeps only it (``model(**b).loss``), so the
                 # logits beside it are freed unless backward saved them.
                 output = None

@@ -94,6 +94,7 @@ __all__ = [
     "blocks_of_plan",
     "build",
     "choose_blocks",
+    "installed",
     "install",
     "is_installed",
     "plan_modules",
@@ -1110,6 +1111,23 @@ def install(twin: nn.Module, prof: ModuleProfile, plan_or_blocks: Plan | Sequenc
                           if b.startswith(prefix)),
             trainable=record.trainable, dummy_arg=_needs_dummy(prof, number, mode),
             carries_grad=record.trainable or prof.block_inputs_grad[number])
+
+
+@contextlib.contextmanager
+def installed(twin: nn.Module, prof: ModuleProfile, plan_or_blocks: Plan | Sequence[str],
+              mode: str | None = None) -> Iterator[nn.Module]:
+    """:func:`install` for the block only, then put back every block's choice as it was: a
+    replay of a plan (:mod:`autockpt.replay`) on a view whose blocks are shared with a
+    transformed module that runs another plan."""
+    before = {id(sub): sub.__dict__["_autockpt_block"] for sub in twin.modules()
+              if "_autockpt_block" in sub.__dict__}
+    install(twin, prof, plan_or_blocks, mode)
+    try:
+        yield twin
+    finally:
+        for sub in twin.modules():
+            if "_autockpt_block" in sub.__dict__:
+                sub.__dict__["_autockpt_block"] = before.get(id(sub))
 
 
 @contextlib.contextmanager

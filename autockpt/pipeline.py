@@ -19,7 +19,7 @@ what it returns.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,7 +34,7 @@ from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumen
 from autockpt.loss import LossFn
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import ProfileShare, profile
-from autockpt.replay import replay_peak_bytes
+from autockpt.replay import replay_blocks_peak_bytes, replay_peak_bytes
 from autockpt.rewrite import Program, graph_fingerprint, rewrite
 from autockpt.stats import LOSS_OP, ChunkedHead, Profile, RowStretch
 from autockpt.timing import time_nodes
@@ -137,16 +137,36 @@ def plan_blocks(
     # The user's forward on the user's class, with the twin's block views running plainly.
     view = shallow_view(module)
     with modules.suspended(view), _whole_device(device):
-        plan, prof = modules.build(view, args, kwargs, budget_bytes=budget_bytes,
-                                   mode=config.mode, strategy=config.strategy,
-                                   grad_accumulation=config.grad_accumulation)
+        prof = modules.profile_modules(view, args, kwargs)
+
+        def planned_for(budget: int | None) -> Plan:
+            return modules.plan_modules(prof, budget, strategy=config.strategy,
+                                        mode=config.mode,
+                                        grad_accumulation=config.grad_accumulation)
+
+        if config.mode != "reentrant":
+            plan = planned_for(budget_bytes)
+        elif not prof.fake:
+            plan = planned_for(budget_bytes)
+            plan = replace(plan, notes=(*plan.notes, "the estimate is the memory model's: the "
+                                        "forward does not run on fake tensors, so the step "
+                                        "was not replayed"))
+        else:
+            plan = _replanned(planned_for, lambda plan: _replayed(
+                plan, lambda: replay_blocks_peak_bytes(
+                    view, prof, plan, args, kwargs, loss_fn=config.loss_fn,
+                    grad_accumulation=config.grad_accumulation)), budget_bytes)
     notes = plan.notes
     if config.cost != "flops":
         notes += (f"cost={config.cost!r} needs a graph to time; the modules rung planned by "
                   "FLOPs",)
-    if config.loss_fn is not None:
+    if config.loss_fn is not None and plan.estimate != "replay":
         notes += ("the modules rung cannot run loss_fn with the model: it priced an "
                   "output-sized gradient for each output instead",)
+    elif config.loss_fn is not None:
+        notes += ("the modules rung cannot run loss_fn with the model: it chose the blocks by "
+                  "an output-sized gradient for each output, and replayed the step with "
+                  "loss_fn",)
     return BlockPlan(replace(plan, model=base_class(module).__name__, capture="modules",
                              capture_reason=reason, notes=notes, device=device,
                              kept_whole=config.keep_whole), prof)
@@ -340,15 +360,8 @@ time under a budget lowered by the excess, before the least-memory plan is tried
 
 def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], stats: Profile,
              config: ApplyConfig, budget_bytes: int | None) -> Plan:
-    """The plan for ``budget_bytes``. In reentrant mode the plan the memory model chose is
-    replayed on fake tensors, and its replayed peak is its estimate; one replayed above the
-    budget is planned again lower (NOTE [ Replaying a plan on fake tensors ] in
-    :mod:`autockpt.replay`).
-
-    Raises:
-        InfeasibleBudgetError: no plan fits; in reentrant mode the least reachable is the
-            replayed peak of the least-memory plan.
-    """
+    """The plan for ``budget_bytes`` on a graph rung (in reentrant mode replayed, see
+    :func:`_replanned`)."""
     def planned_for(budget: int | None) -> Plan:
         return make_plan(stats, budget, strategy=config.strategy, mode=config.mode,
                          model=base_class(module).__name__,
@@ -356,10 +369,23 @@ def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], sta
 
     if config.mode != "reentrant":
         return planned_for(budget_bytes)
+    return _replanned(planned_for, lambda plan: _replayed(
+        plan, lambda: replay_peak_bytes(module, traced, plan, inputs, loss_fn=config.loss_fn,
+                                        grad_accumulation=config.grad_accumulation)),
+        budget_bytes)
 
-    def replayed(plan: Plan) -> Plan:
-        return _replayed(module, traced, inputs, config, plan)
 
+def _replanned(planned_for: Callable[[int | None], Plan], replayed: Callable[[Plan], Plan],
+               budget_bytes: int | None) -> Plan:
+    """The plan for ``budget_bytes`` whose replayed peak fits it: the memory model's plan,
+    replayed on fake tensors (its replayed peak becomes its estimate); one replayed above the
+    budget is planned again under a budget lowered by the excess, then the least-memory plan
+    is tried (NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.replay`).
+
+    Raises:
+        InfeasibleBudgetError: not even the least-memory plan replays within the budget; the
+            least reachable it names is that plan's replayed peak.
+    """
     try:
         plan = replayed(planned_for(budget_bytes))
     except InfeasibleBudgetError:
@@ -386,13 +412,11 @@ def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], sta
     raise _infeasible(least, budget_bytes)
 
 
-def _replayed(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
-              config: ApplyConfig, plan: Plan) -> Plan:
-    """``plan`` with its replayed peak as its estimate, or with a note saying why the model's
-    estimate stands."""
+def _replayed(plan: Plan, replay: Callable[[], int]) -> Plan:
+    """``plan`` with ``replay()``, its replayed peak, as its estimate, or with a note saying
+    why the model's estimate stands."""
     try:
-        peak = replay_peak_bytes(module, traced, plan, inputs, loss_fn=config.loss_fn,
-                                 grad_accumulation=config.grad_accumulation)
+        peak = replay()
     except Exception as err:  # noqa: BLE001 - any failure on fake tensors: the model's estimate
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return replace(plan, notes=(

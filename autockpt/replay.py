@@ -20,19 +20,26 @@ it was below the measured peak by up to 10% for a few plans in a hundred (benchm
 Running the step is exact where the model is not: a fake tensor has a storage that lives and
 dies as the real one would (autograd saves and frees the same tensors), only without memory
 behind it, and the tracker counts storages. So the planner searches with the model and then
-replays its choice: the step runs on fake copies of the parameters and inputs (the user's
-module is reparametrized for the call, as the profile does, and put back), each checkpointed
-segment through :func:`autockpt.runtime.run_segment` as at training time, and the loss the plan
-priced: the user's ``loss_fn``, the model's own loss, or (neither) a gradient the size of each
-output made when backward starts. Where the replay is above the budget, the planner asks the
-model for a plan under a budget lowered by the difference (:mod:`autockpt.pipeline`).
+replays its choice (reentrant mode only: the non-reentrant model is not below the measured
+peak on those graphs, and a replay costs one fake step per plan). The step runs on fake copies
+of the parameters and inputs (the user's module is reparametrized for the call, as the profile
+does, and put back), each checkpointed segment through :func:`autockpt.runner.run_segment` as
+at training time, with the user's ``loss_fn`` or, without one, the loss plans price
+(:func:`autockpt.loss.planned_loss`: the model's own, else a gradient the size of each output).
+A plan of the ``"modules"`` rung is replayed the same way, its blocks installed on a view of
+the model (:func:`replay_blocks_peak_bytes`); that rung cannot run ``loss_fn`` with the model
+while profiling, so its replay is the first time the user's loss is priced. Where the replay is
+above the budget, the planner asks the model for a plan under a budget lowered by the
+difference (:func:`autockpt.pipeline._replanned`).
 
 Fake kernels make the storage an op's output shape needs; where a real kernel is known to return
 a larger one (a reduced MSE loss keeps its element-wise buffer), the replay widens it as the
-profile does (:func:`autockpt.instrument.widen_reduced_loss`). What the replay does not see is
-what the measure does not see (NOTE [ What the dispatch-mode
-measure cannot see ] in :mod:`autockpt.measure`), and what fake tensors do not run: a data-
-dependent op fails, and the plan then keeps the model's estimate and says why.
+profile does (:func:`autockpt.instrument.widen_reduced_loss`). With nothing to checkpoint, the
+runtime runs the user's own forward, and so does the replay: its Python locals may hold values
+longer than the graph does. What the replay does not see is what the measure does not see
+(NOTE [ What the dispatch-mode measure cannot see ] in :mod:`autockpt.measure`), and what fake
+tensors do not run: a data-dependent op fails, and the plan then keeps the model's estimate and
+says why (a modules-rung forward that already needed a real profile is not tried).
 """
 
 from __future__ import annotations
@@ -47,34 +54,15 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from autockpt.instrument import (Op, OpObserver, OpWatch, map_tensors, run_with_state, tensors,
                                  widen_reduced_loss)
-from autockpt.loss import LossFn
+from autockpt.loss import LossFn, planned_loss
 from autockpt.measure import make_step
+from autockpt.modules import ModuleProfile, installed
 from autockpt.planner import Plan
 from autockpt.rewrite import RUN_METHOD, rewrite
 from autockpt.runner import run_segment, unobserved
 from autockpt.trace import TracedModel, base_class, shallow_view
 
-__all__ = ["replay_peak_bytes"]
-
-
-class _OutputSizedGradient(torch.autograd.Function):
-    """The loss a plan assumes when it is given none (``LossStat.kind == "assumed"``): a new
-    gradient the size of each output, all made when backward starts."""
-
-    @staticmethod
-    def forward(ctx: Any, *outputs: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
-        return outputs[0].new_zeros(())
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: D102
-        return tuple(torch.zeros(shape, dtype=dtype, device=device)
-                     for shape, dtype, device in ctx.shapes)
-
-
-def _assumed_loss(output: Any) -> torch.Tensor:
-    outputs = [t for t in tensors(output) if t.requires_grad and t.is_floating_point()]
-    return _OutputSizedGradient.apply(*outputs)
+__all__ = ["replay_blocks_peak_bytes", "replay_peak_bytes"]
 
 
 class _Widen(OpObserver):
@@ -167,15 +155,44 @@ def replay_peak_bytes(module: nn.Module, traced: TracedModel, plan: Plan,
 
         replayed = _Replayed(view, eager, None)
     values = tuple(inputs[name] for name in traced.spec.param_names)
-    kind = plan.loss.kind if plan.loss is not None else "inner"
-    step_loss = {"loss_fn": loss_fn, "assumed": _assumed_loss}.get(kind)
-    with _fake_mode_for(values) as mode:
-        named = [*replayed.named_parameters(), *replayed.named_buffers()]
+    return _fake_step_peak(replayed, values, {}, loss_fn, grad_accumulation)
+
+
+def replay_blocks_peak_bytes(module: nn.Module, prof: ModuleProfile, plan: Plan,
+                             args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                             loss_fn: LossFn | None = None, grad_accumulation: bool = False
+                             ) -> int:
+    """:func:`replay_peak_bytes` for a plan of the ``"modules"`` rung: the user's forward
+    with the plan's blocks checkpointed, on a view of ``module`` (whose own tree is not
+    touched), and the user's ``loss_fn`` where given, which that rung cannot price.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from autockpt import modules
+        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        ...                       for _ in range(4)])
+        >>> x = torch.randn(4, 8)
+        >>> plan, prof = modules.build(net, (x,), budget_bytes=None, mode="reentrant")
+        >>> replay_blocks_peak_bytes(net, prof, plan, (x,), {}) > 0
+        True
+    """
+    with installed(shallow_view(module), prof, plan) as twin:
+        return _fake_step_peak(twin, args, kwargs, loss_fn, grad_accumulation)
+
+
+def _fake_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    loss_fn: LossFn | None, grad_accumulation: bool) -> int:
+    """The tracked peak of one step of ``model`` on fake copies of its state and inputs, with
+    ``loss_fn`` or the loss plans price without one (:func:`autockpt.loss.planned_loss`)."""
+    step_loss = loss_fn if loss_fn is not None else planned_loss
+    with _fake_mode_for((args, kwargs)) as mode:
+        named = [*model.named_parameters(), *model.named_buffers()]
         state = {name: _fake(mode, t) for name, t in named}
-        fake_values = map_tensors(values, lambda t: _fake(mode, t))
+        fake_args, fake_kwargs = map_tensors((args, kwargs), lambda t: _fake(mode, t))
 
         def tracked() -> int:
-            step = make_step(replayed, fake_values, {}, step_loss,
+            step = make_step(model, fake_args, fake_kwargs, step_loss,
                              grad_accumulation=grad_accumulation, fake=True)
             result = step.run(track=True)
             assert result.tracker is not None
@@ -183,7 +200,7 @@ def replay_peak_bytes(module: nn.Module, traced: TracedModel, plan: Plan,
 
         # The fake step draws no random numbers, but a checkpoint stashes and sets the state.
         with torch.random.fork_rng(devices=[]), unobserved(), OpWatch(_Widen()):
-            return int(run_with_state(replayed, state, tracked, ()))
+            return int(run_with_state(model, state, tracked, ()))
 
 
 def _fake(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:

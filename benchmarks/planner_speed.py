@@ -32,6 +32,7 @@ of 100 to 10,000 nodes in two families:
     python benchmarks/planner_speed.py --planner --sizes 100,1000,5000 --json out.json
     python benchmarks/planner_speed.py --end-to-end --models gpt24
     python benchmarks/planner_speed.py --corpus --json corpus.json
+    python benchmarks/planner_speed.py --corpus --mode reentrant
 
 Timings use one torch thread (``--threads``); on a shared machine compare medians.
 """
@@ -181,10 +182,12 @@ def _importable(model_name: str) -> bool:
     return True
 
 
-def corpus(repeat: int, names: list[str] | None = None) -> list[dict[str, Any]]:
-    """Seconds of ``plan(model, budget_mb=None)`` per model (those in ``names``, or all): the
-    first call for the model, which finds torch's fake-tensor caches cold for its op shapes
-    (what a user waits for), and the median of the later ones, split by stage."""
+def corpus(repeat: int, names: list[str] | None = None, mode: str = "non_reentrant"
+           ) -> list[dict[str, Any]]:
+    """Seconds of ``plan(model, budget_mb=None, mode=mode)`` per model (those in ``names``, or
+    all): the first call for the model, which finds torch's fake-tensor caches cold for its op
+    shapes (what a user waits for), and the median of the later ones, split by stage (in
+    reentrant mode the rest includes the replay of the plan on fake tensors)."""
     from autockpt.capture import capture
     from autockpt.trace import TracedModel
 
@@ -202,7 +205,7 @@ def corpus(repeat: int, names: list[str] | None = None) -> list[dict[str, Any]]:
         totals, captures, profiles = [], [], []
         for _ in range(repeat):
             total, plan = _timed(lambda: autockpt.plan(  # noqa: B023
-                model, args, example_kwargs=kwargs))
+                model, args, example_kwargs=kwargs, mode=mode))
             seconds, traced = _timed(lambda: capture(model, args, kwargs))  # noqa: B023
             totals.append(total)
             captures.append(seconds)
@@ -211,7 +214,8 @@ def corpus(repeat: int, names: list[str] | None = None) -> list[dict[str, Any]]:
                 profiles.append(_seconds(lambda: profile(  # noqa: B023
                     traced, dict(zip(traced.spec.param_names,  # noqa: B023
                                      traced.graph_inputs(arguments))))))  # noqa: B023
-        row = {"model": name, "capture": plan.capture, "graph_nodes": plan.node_count,
+        row = {"model": name, "mode": mode, "capture": plan.capture,
+               "graph_nodes": plan.node_count,
                "first_plan_seconds": totals[0],
                "plan_seconds": statistics.median(totals[1:] or totals),
                "capture_seconds": statistics.median(captures),
@@ -348,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="planner alone: graph node counts, comma-separated")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per measurement")
+    parser.add_argument("--mode", default="non_reentrant", choices=("non_reentrant", "reentrant"),
+                        help="with --corpus, the checkpoint mode planned")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 keeps timings stable on a shared machine)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
@@ -383,9 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print_planner(out["planner"])
     if args.corpus:
-        print("corpus (least memory, warm process, median of --repeat):", flush=True)
+        print(f"corpus (least memory, {args.mode}, warm process, median of --repeat):",
+              flush=True)
         chosen = [n for n in args.models.split(",") if n] if args.models_given else None
-        out["corpus"] = corpus(args.repeat, chosen)
+        out["corpus"] = corpus(args.repeat, chosen, args.mode)
         print()
         print_corpus(out["corpus"])
     if args.json:

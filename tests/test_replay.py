@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import autockpt
-from autockpt import pipeline
+from autockpt import modules, pipeline
+from autockpt.trace import shallow_view
 from tests import random_graphs as graphs
 
 SEEDS_THE_MODEL_MISSES = {
@@ -152,3 +153,60 @@ def test_a_plan_made_inside_a_measured_step_is_not_counted_in_it() -> None:
     first = autockpt.measure(lazy, args, loss_fn=loss_fn).peak_activation_bytes
     assert autockpt.plan_of(lazy).estimate == "replay"
     assert first == autockpt.measure(lazy, args, loss_fn=loss_fn).peak_activation_bytes
+
+
+class _Stack(torch.nn.Module):
+    """Eight residual MLP blocks and a head: the modules rung's kind of model."""
+
+    def __init__(self, width: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width),
+                                torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+            for _ in range(8))
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_the_modules_rung_replays_its_plan_with_the_users_loss() -> None:
+    """Without a graph the rung cannot run ``loss_fn`` with the model, so it chooses blocks by
+    an assumed gradient; the replay runs the step with the user's loss, and is its peak."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    target = torch.randint(0, 10, (32,))
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits, target)
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        transformed = autockpt.apply(_Stack(), None, example_inputs=(x,), mode="reentrant",
+                                     capture="modules", loss_fn=loss_fn)
+    plan = autockpt.plan_of(transformed)
+    assert plan.capture == "modules" and plan.segments
+    assert plan.estimate == "replay", plan.notes
+    assert any("replayed the step with loss_fn" in note for note in plan.notes), plan.notes
+    measured = autockpt.measure(transformed, (x,), loss_fn=loss_fn).peak_activation_bytes
+    assert plan.estimated_peak_bytes == measured
+
+
+def test_a_modules_replay_puts_back_the_blocks_the_running_plan_chose() -> None:
+    """A second input size of a transformed module is planned (and replayed) while the first
+    size's blocks are installed in views it shares: they are left as they were."""
+    torch.manual_seed(0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        transformed = autockpt.apply(_Stack(), None, example_inputs=(torch.randn(32, 64),),
+                                     mode="reentrant", capture="modules")
+    transformed(torch.randn(32, 64)).sum().backward()
+    chosen = modules.is_installed(transformed)
+    assert chosen
+    others = tuple(b for b in modules.profile_modules(_Stack(), (torch.randn(4, 64),)).blocks
+                   if b not in chosen)
+    prof = modules.profile_modules(_Stack(), (torch.randn(4, 64),))
+    assert others
+    with modules.installed(shallow_view(transformed), prof, others, "reentrant"):
+        assert set(modules.is_installed(transformed)) != set(chosen)  # the views are shared
+    assert modules.is_installed(transformed) == chosen
