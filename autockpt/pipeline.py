@@ -377,39 +377,46 @@ def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], sta
 
 def _replanned(planned_for: Callable[[int | None], Plan], replayed: Callable[[Plan], Plan],
                budget_bytes: int | None) -> Plan:
-    """The plan for ``budget_bytes`` whose replayed peak fits it: the memory model's plan,
-    replayed on fake tensors (its replayed peak becomes its estimate); one replayed above the
-    budget is planned again under a budget lowered by the excess, then the least-memory plan
-    is tried (NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.replay`).
+    """The plan for ``budget_bytes`` whose replayed peak fits it. The model's least-memory
+    plan is replayed first (its replayed peak is the least reachable); then the model's plan
+    for the budget, whose replayed peak becomes its estimate; one replayed above the budget is
+    planned again under a budget lowered by the excess, and the least-memory plan is the last
+    resort (NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.replay`).
 
     Raises:
         InfeasibleBudgetError: not even the least-memory plan replays within the budget; the
             least reachable it names is that plan's replayed peak.
     """
+    least = replayed(planned_for(None))
+    if budget_bytes is None:
+        return least
+    if least.estimate != "replay":  # the step does not run on fake tensors: say so, once
+        plan = planned_for(budget_bytes)
+        return replace(plan, notes=(*plan.notes, least.notes[-1]))
+    if least.estimated_peak_bytes > budget_bytes:
+        raise _infeasible(least, budget_bytes)
     try:
         plan = replayed(planned_for(budget_bytes))
     except InfeasibleBudgetError:
-        # The model prices its least plan above the budget; the replay may not.
-        assert budget_bytes is not None
-    else:
-        if budget_bytes is None or plan.estimated_peak_bytes <= budget_bytes or (
-                plan.estimate != "replay"):
-            return plan
-        target = budget_bytes
-        for _ in range(REPLANS):
-            target -= plan.estimated_peak_bytes - budget_bytes
-            try:
-                plan = replayed(planned_for(target))
-            except InfeasibleBudgetError:
-                break
-            if plan.estimated_peak_bytes <= budget_bytes:
-                return _lowered(plan, budget_bytes, "planned under a lower budget: the memory "
-                                "model's plan for the budget replayed above it")
-    least = replayed(planned_for(None))
-    if least.estimated_peak_bytes <= budget_bytes:
+        # The model prices its least plan above the budget, which the replay does not.
         return _lowered(least, budget_bytes, "the least-memory plan, which alone replayed "
                         "within the budget")
-    raise _infeasible(least, budget_bytes)
+    target = budget_bytes
+    for _ in range(REPLANS + 1):
+        if plan.estimated_peak_bytes <= budget_bytes:
+            return replace(plan, min_peak_bytes=min(plan.estimated_peak_bytes,
+                                                    least.estimated_peak_bytes))
+        if plan.estimate != "replay":
+            break
+        target -= plan.estimated_peak_bytes - budget_bytes
+        try:
+            plan = _lowered(replayed(planned_for(target)), budget_bytes, "planned under a "
+                            "lower budget: the memory model's plan for the budget replayed "
+                            "above it")
+        except InfeasibleBudgetError:
+            break
+    return _lowered(least, budget_bytes, "the least-memory plan, which alone replayed within "
+                    "the budget")
 
 
 def _replayed(plan: Plan, replay: Callable[[], int]) -> Plan:
