@@ -148,9 +148,8 @@ def plan_blocks(
             plan = planned_for(budget_bytes)
         elif not prof.fake:
             plan = planned_for(budget_bytes)
-            plan = replace(plan, notes=(*plan.notes, "the estimate is the memory model's: the "
-                                        "forward does not run on fake tensors, so the step "
-                                        "was not replayed"))
+            plan = replace(plan, notes=(*plan.notes, f"{NOT_REPLAYED}: the forward does not "
+                                        "run on fake tensors, so the step was not replayed"))
         else:
             plan = _replanned(planned_for, lambda plan: _replayed(
                 plan, lambda: replay_blocks_peak_bytes(
@@ -353,6 +352,8 @@ def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
     return GraphPlan(traced, plan), None, stats
 
 
+NOT_REPLAYED = "the estimate is the memory model's"
+"""How a reentrant plan's note begins where its step was not replayed (and why follows)."""
 REPLANS = 3
 """How many times a reentrant plan whose replay is above the budget is planned again, each
 time under a budget lowered by the excess, before the least-memory plan is tried."""
@@ -392,7 +393,8 @@ def _replanned(planned_for: Callable[[int | None], Plan], replayed: Callable[[Pl
         return least
     if least.estimate != "replay":  # the step does not run on fake tensors: say so, once
         plan = planned_for(budget_bytes)
-        return replace(plan, notes=(*plan.notes, least.notes[-1]))
+        return replace(plan, notes=(*plan.notes, *(
+            note for note in least.notes if note.startswith(NOT_REPLAYED))))
     if least.estimated_peak_bytes > budget_bytes:
         raise _infeasible(least, budget_bytes)
     try:
@@ -427,7 +429,7 @@ def _replayed(plan: Plan, replay: Callable[[], int]) -> Plan:
     except Exception as err:  # noqa: BLE001 - any failure on fake tensors: the model's estimate
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return replace(plan, notes=(
-            *plan.notes, "the estimate is the memory model's: replaying the step on fake "
+            *plan.notes, f"{NOT_REPLAYED}: replaying the step on fake "
             f"tensors raised {type(err).__name__}" + (f" ({reason[:200]})" if reason else "")))
     least = peak if plan.budget_bytes is None else min(plan.min_peak_bytes, peak)
     return replace(plan, estimated_peak_bytes=peak, min_peak_bytes=least, estimate="replay",
