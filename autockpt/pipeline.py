@@ -151,10 +151,9 @@ def plan_blocks(
             plan = replace(plan, notes=(*plan.notes, f"{NOT_REPLAYED}: the forward does not "
                                         "run on fake tensors, so the step was not replayed"))
         else:
-            plan = _replanned(planned_for, lambda plan: _replayed(
-                plan, lambda: replay_blocks_peak_bytes(
-                    view, prof, plan, args, kwargs, loss_fn=config.loss_fn,
-                    grad_accumulation=config.grad_accumulation)), budget_bytes)
+            plan = _replanned(planned_for, lambda plan: replay_blocks_peak_bytes(
+                view, prof, plan, args, kwargs, loss_fn=config.loss_fn,
+                grad_accumulation=config.grad_accumulation), budget_bytes)
     notes = plan.notes
     if config.cost != "flops":
         notes += (f"cost={config.cost!r} needs a graph to time; the modules rung planned by "
@@ -370,13 +369,12 @@ def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], sta
 
     if config.mode != "reentrant":
         return planned_for(budget_bytes)
-    return _replanned(planned_for, lambda plan: _replayed(
-        plan, lambda: replay_peak_bytes(module, traced, plan, inputs, loss_fn=config.loss_fn,
-                                        grad_accumulation=config.grad_accumulation)),
-        budget_bytes)
+    return _replanned(planned_for, lambda plan: replay_peak_bytes(
+        module, traced, plan, inputs, loss_fn=config.loss_fn,
+        grad_accumulation=config.grad_accumulation), budget_bytes)
 
 
-def _replanned(planned_for: Callable[[int | None], Plan], replayed: Callable[[Plan], Plan],
+def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Plan], int],
                budget_bytes: int | None) -> Plan:
     """The plan for ``budget_bytes`` whose replayed peak fits it. The model's least-memory
     plan is replayed first (its replayed peak is the least reachable); then the model's plan
@@ -388,6 +386,18 @@ def _replanned(planned_for: Callable[[int | None], Plan], replayed: Callable[[Pl
         InfeasibleBudgetError: not even the least-memory plan replays within the budget; the
             least reachable it names is that plan's replayed peak.
     """
+    # Each distinct plan is replayed once (the plan for a budget is often the least one).
+    peaks: dict[tuple[tuple[int, int, int], ...], int | Exception] = {}
+
+    def replayed(plan: Plan) -> Plan:
+        key = tuple((seg.start, seg.end, seg.depth) for seg in plan.segments)
+        if key not in peaks:
+            try:
+                peaks[key] = peak_of(plan)
+            except Exception as err:  # noqa: BLE001 - any failure on fake tensors
+                peaks[key] = err
+        return _replayed(plan, peaks[key])
+
     least = replayed(planned_for(None))
     if budget_bytes is None:
         return least
@@ -421,16 +431,14 @@ def _replanned(planned_for: Callable[[int | None], Plan], replayed: Callable[[Pl
                     "the budget")
 
 
-def _replayed(plan: Plan, replay: Callable[[], int]) -> Plan:
-    """``plan`` with ``replay()``, its replayed peak, as its estimate, or with a note saying
-    why the model's estimate stands."""
-    try:
-        peak = replay()
-    except Exception as err:  # noqa: BLE001 - any failure on fake tensors: the model's estimate
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+def _replayed(plan: Plan, peak: int | Exception) -> Plan:
+    """``plan`` with its replayed peak as its estimate, or, where the replay raised, with a
+    note saying why the model's estimate stands."""
+    if isinstance(peak, Exception):
+        reason = str(peak).strip().splitlines()[0] if str(peak).strip() else ""
         return replace(plan, notes=(
-            *plan.notes, f"{NOT_REPLAYED}: replaying the step on fake "
-            f"tensors raised {type(err).__name__}" + (f" ({reason[:200]})" if reason else "")))
+            *plan.notes, f"{NOT_REPLAYED}: replaying the step on fake tensors raised "
+            f"{type(peak).__name__}" + (f" ({reason[:200]})" if reason else "")))
     least = peak if plan.budget_bytes is None else min(plan.min_peak_bytes, peak)
     return replace(plan, estimated_peak_bytes=peak, min_peak_bytes=least, estimate="replay",
                    modelled_peak_bytes=plan.estimated_peak_bytes)

@@ -60,6 +60,7 @@ from autockpt.modules import ModuleProfile, installed
 from autockpt.planner import Plan
 from autockpt.rewrite import RUN_METHOD, rewrite
 from autockpt.runner import run_segment, unobserved
+from autockpt.shape_rules import SHAPE_RULES
 from autockpt.trace import TracedModel, base_class, shallow_view
 
 __all__ = ["replay_blocks_peak_bytes", "replay_peak_bytes"]
@@ -199,7 +200,9 @@ def _fake_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             return result.tracker.peak_bytes
 
         # The fake step draws no random numbers, but a checkpoint stashes and sets the state.
-        with torch.random.fork_rng(devices=[]), unobserved(), OpWatch(_Widen()):
+        # The profile's shape rules answer the ops whose fake kernels are slow Python
+        # decompositions (normalisations, activation backwards) with the same outputs.
+        with torch.random.fork_rng(devices=[]), unobserved(), OpWatch(_Widen(), SHAPE_RULES):
             return int(run_with_state(model, state, tracked, ()))
 
 
