@@ -376,11 +376,13 @@ def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], sta
 
 def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Plan], int],
                budget_bytes: int | None) -> Plan:
-    """The plan for ``budget_bytes`` whose replayed peak fits it. The model's least-memory
-    plan is replayed first (its replayed peak is the least reachable); then the model's plan
-    for the budget, whose replayed peak becomes its estimate; one replayed above the budget is
-    planned again under a budget lowered by the excess, and the least-memory plan is the last
-    resort (NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.replay`).
+    """The plan for ``budget_bytes`` whose replayed peak fits it: the model's plan for the
+    budget, whose replayed peak becomes its estimate; one replayed above the budget is planned
+    again under a budget lowered by the excess, and the least-memory plan is the last resort
+    (NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.replay`). Without a budget,
+    the least-memory plan, replayed. The least reachable a plan reports is the least-memory
+    plan's replayed peak where that plan was replayed (without a budget, or when the plan is
+    that plan), else the model's estimate of it.
 
     Raises:
         InfeasibleBudgetError: not even the least-memory plan replays within the budget; the
@@ -398,28 +400,32 @@ def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Pla
                 peaks[key] = err
         return _replayed(plan, peaks[key])
 
-    least = replayed(planned_for(None))
     if budget_bytes is None:
-        return least
-    if least.estimate != "replay":  # the step does not run on fake tensors: say so, once
-        plan = planned_for(budget_bytes)
-        return replace(plan, notes=(*plan.notes, *(
-            note for note in least.notes if note.startswith(NOT_REPLAYED))))
-    if least.estimated_peak_bytes > budget_bytes:
-        raise _infeasible(least, budget_bytes)
+        return replayed(planned_for(None))
+    # The least-memory plan is replayed only when needed: a plan for the budget that the
+    # replay finds within it saves a second fake step.
+    least = planned_for(None)
+    least_key = tuple((seg.start, seg.end, seg.depth) for seg in least.segments)
     try:
         plan = replayed(planned_for(budget_bytes))
     except InfeasibleBudgetError:
-        # The model prices its least plan above the budget, which the replay does not.
-        return _lowered(least, budget_bytes, "the least-memory plan, which alone replayed "
+        # The model prices its least plan above the budget; the replay may not.
+        found = replayed(least)
+        if found.estimate != "replay":
+            raise
+        if found.estimated_peak_bytes > budget_bytes:
+            raise _infeasible(found, budget_bytes) from None
+        return _lowered(found, budget_bytes, "the least-memory plan, which alone replayed "
                         "within the budget")
+    if plan.estimate != "replay":
+        return plan
     target = budget_bytes
     for _ in range(REPLANS + 1):
         if plan.estimated_peak_bytes <= budget_bytes:
-            return replace(plan, min_peak_bytes=min(plan.estimated_peak_bytes,
-                                                    least.estimated_peak_bytes))
-        if plan.estimate != "replay":
-            break
+            # The least reachable: replayed where the least plan was, else the model's.
+            known = peaks.get(least_key)
+            floor = known if isinstance(known, int) else least.estimated_peak_bytes
+            return replace(plan, min_peak_bytes=min(plan.estimated_peak_bytes, floor))
         target -= plan.estimated_peak_bytes - budget_bytes
         try:
             plan = _lowered(replayed(planned_for(target)), budget_bytes, "planned under a "
@@ -427,8 +433,13 @@ def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Pla
                             "above it")
         except InfeasibleBudgetError:
             break
-    return _lowered(least, budget_bytes, "the least-memory plan, which alone replayed within "
-                    "the budget")
+        if plan.estimate != "replay":
+            break
+    found = replayed(least)
+    if found.estimated_peak_bytes <= budget_bytes:
+        return _lowered(found, budget_bytes, "the least-memory plan, which alone replayed "
+                        "within the budget")
+    raise _infeasible(found, budget_bytes)
 
 
 def _replayed(plan: Plan, peak: int | Exception) -> Plan:
