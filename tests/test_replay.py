@@ -210,3 +210,16 @@ def test_a_modules_replay_puts_back_the_blocks_the_running_plan_chose() -> None:
     with modules.installed(shallow_view(transformed), prof, others, "reentrant"):
         assert set(modules.is_installed(transformed)) != set(chosen)  # the views are shared
     assert modules.is_installed(transformed) == chosen
+
+
+def test_a_plan_with_nothing_to_checkpoint_replays_the_users_own_forward() -> None:
+    """Seed 117: no checkpoint lowers the peak, and the runtime then runs the user's own
+    forward, whose locals hold values longer than the graph (3.5% more than the graph's
+    step): the replay runs that forward too."""
+    spec, args, loss_fn = _graph(117)
+    transformed = _apply(graphs.build(spec), None, args, loss_fn)
+    plan = autockpt.plan_of(transformed)
+    assert not plan.segments and plan.estimate == "replay"
+    measured = autockpt.measure(transformed, args, loss_fn=loss_fn).peak_activation_bytes
+    assert plan.estimated_peak_bytes == measured
+    assert plan.modelled_peak_bytes is not None and plan.modelled_peak_bytes < measured
