@@ -35,7 +35,7 @@ from autockpt.loss import LossFn
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import ProfileShare, profile
 from autockpt.replay import replay_blocks_peak_bytes, replay_peak_bytes
-from autockpt.rewrite import Program, graph_fingerprint, rewrite
+from autockpt.rewrite import Program, compile_onto, graph_fingerprint
 from autockpt.stats import LOSS_OP, ChunkedHead, Profile, RowStretch
 from autockpt.timing import time_nodes
 from autockpt.trace import TracedModel, base_class, bind_inputs, shallow_view
@@ -392,7 +392,7 @@ def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Pla
     peaks: dict[tuple[tuple[int, int, int], ...], int | Exception] = {}
 
     def replayed(plan: Plan) -> Plan:
-        key = tuple((seg.start, seg.end, seg.depth) for seg in plan.segments)
+        key = _segments_key(plan)
         if key not in peaks:
             try:
                 peaks[key] = peak_of(plan)
@@ -405,7 +405,6 @@ def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Pla
     # The least-memory plan is replayed only when needed: a plan for the budget that the
     # replay finds within it saves a second fake step.
     least = planned_for(None)
-    least_key = tuple((seg.start, seg.end, seg.depth) for seg in least.segments)
     try:
         plan = replayed(planned_for(budget_bytes))
     except InfeasibleBudgetError:
@@ -423,7 +422,7 @@ def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Pla
     for _ in range(REPLANS + 1):
         if plan.estimated_peak_bytes <= budget_bytes:
             # The least reachable: replayed where the least plan was, else the model's.
-            known = peaks.get(least_key)
+            known = peaks.get(_segments_key(least))
             floor = known if isinstance(known, int) else least.estimated_peak_bytes
             return replace(plan, min_peak_bytes=min(plan.estimated_peak_bytes, floor))
         target -= plan.estimated_peak_bytes - budget_bytes
@@ -442,6 +441,10 @@ def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Pla
     raise _infeasible(found, budget_bytes)
 
 
+def _segments_key(plan: Plan) -> tuple[tuple[int, int, int], ...]:
+    return tuple((seg.start, seg.end, seg.depth) for seg in plan.segments)
+
+
 def _replayed(plan: Plan, peak: int | Exception) -> Plan:
     """``plan`` with its replayed peak as its estimate, or, where the replay raised, with a
     note saying why the model's estimate stands."""
@@ -450,7 +453,9 @@ def _replayed(plan: Plan, peak: int | Exception) -> Plan:
         return replace(plan, notes=(
             *plan.notes, f"{NOT_REPLAYED}: replaying the step on fake tensors raised "
             f"{type(peak).__name__}" + (f" ({reason[:200]})" if reason else "")))
-    least = peak if plan.budget_bytes is None else min(plan.min_peak_bytes, peak)
+    # A least-memory plan's replay is the least reachable; :func:`_replanned` sets it for a
+    # plan with a budget.
+    least = peak if plan.budget_bytes is None else plan.min_peak_bytes
     return replace(plan, estimated_peak_bytes=peak, min_peak_bytes=least, estimate="replay",
                    modelled_peak_bytes=plan.estimated_peak_bytes)
 
@@ -514,12 +519,7 @@ def fit_plan(plan: Plan, traced: TracedModel) -> GraphPlan:
 def compile_plan(module: nn.Module, planned: GraphPlan, variant_id: int) -> Program:
     """Compile ``planned`` and attach the tracer's tensor constants to ``module``."""
     traced = planned.traced
-    constant_names = {}
-    for i, (name, value) in enumerate(sorted(traced.constants.items())):
-        new_name = f"_autockpt_const_{variant_id}_{i}"
-        constant_names[name] = new_name
-        module.__dict__[new_name] = value
-    return rewrite(traced.graph, planned.plan, variant_id, constant_names=constant_names)
+    return compile_onto(module, traced.graph, traced.constants, planned.plan, variant_id)
 
 
 def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

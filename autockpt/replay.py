@@ -45,20 +45,20 @@ says why (a modules-rung forward that already needed a real profile is not tried
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autockpt.instrument import (Op, OpObserver, OpWatch, map_tensors, run_with_state, tensors,
-                                 widen_reduced_loss)
+from autockpt.instrument import (Op, OpObserver, OpWatch, is_fake, map_tensors, run_with_state,
+                                 tensors, widen_reduced_loss)
 from autockpt.loss import LossFn, planned_loss
 from autockpt.measure import make_step
 from autockpt.modules import ModuleProfile, installed
 from autockpt.planner import Plan
-from autockpt.rewrite import RUN_METHOD, rewrite
+from autockpt.rewrite import RUN_METHOD, compile_onto
 from autockpt.runner import run_segment, unobserved
 from autockpt.shape_rules import SHAPE_RULES
 from autockpt.trace import TracedModel, base_class, shallow_view
@@ -78,7 +78,8 @@ class _Replayed(nn.Module):
     """The rewritten forward of one plan as a module, for :func:`autockpt.measure.make_step`:
     it takes the graph's inputs and returns what the user's forward returns."""
 
-    def __init__(self, view: nn.Module, forward: Any, unflatten: Any) -> None:
+    def __init__(self, view: nn.Module, forward: Callable[..., Any],
+                 unflatten: Callable[[Any], Any] | None) -> None:
         super().__init__()
         self.view = view
         self._unflatten = unflatten
@@ -93,7 +94,7 @@ class _Replayed(nn.Module):
 def _fake_mode_for(values: Any) -> Iterator[FakeTensorMode]:
     """The fake mode of fake example inputs, or a new one that turns real tensors it meets (a
     loss's targets, a constant the tracer lifted) into fake ones as they come."""
-    existing = next((t.fake_mode for t in tensors(values) if isinstance(t, FakeTensor)), None)
+    existing = next((t.fake_mode for t in tensors(values) if is_fake(t)), None)
     mode = existing if existing is not None else FakeTensorMode()
     before = mode.allow_non_fake_inputs
     mode.allow_non_fake_inputs = True
@@ -133,18 +134,6 @@ def replay_peak_bytes(module: nn.Module, traced: TracedModel, plan: Plan,
         True
     """
     view = shallow_view(module)
-    constant_names = {}
-    for i, (name, value) in enumerate(sorted(traced.constants.items())):
-        constant_names[name] = f"_autockpt_replay_const_{i}"
-        view.__dict__[constant_names[name]] = value
-    program = rewrite(traced.graph, plan, 0, constant_names=constant_names)
-
-    def run(variant: int, index: int, *segment_inputs: Any) -> Any:
-        return run_segment(view, program.segments[index], plan.mode, segment_inputs)
-
-    # An instance attribute, found before the class's: the view is the user's class.
-    view.__dict__[RUN_METHOD] = run
-    replayed = _Replayed(view, program.forward, traced.unflatten)
     if not plan.segments and plan.chunked_head is None and traced.flatten is None:
         # With nothing to checkpoint the runtime runs the user's own forward, whose Python
         # locals may hold values longer than the graph does.
@@ -154,6 +143,15 @@ def replay_peak_bytes(module: nn.Module, traced: TracedModel, plan: Plan,
             return base_class(module).forward(module, **dict(zip(names, values)))
 
         replayed = _Replayed(view, eager, None)
+    else:
+        program = compile_onto(view, traced.graph, traced.constants, plan, 0)
+
+        def run(variant: int, index: int, *segment_inputs: Any) -> Any:
+            return run_segment(view, program.segments[index], plan.mode, segment_inputs)
+
+        # An instance attribute, found before the class's: the view is the user's class.
+        view.__dict__[RUN_METHOD] = run
+        replayed = _Replayed(view, program.forward, traced.unflatten)
     values = tuple(inputs[name] for name in traced.spec.param_names)
     return _fake_step_peak(replayed, values, {}, loss_fn, grad_accumulation)
 
@@ -206,7 +204,7 @@ def _fake_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _fake(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
-    if isinstance(tensor, FakeTensor):
+    if is_fake(tensor):
         return tensor
     fake = mode.from_tensor(tensor)
     if tensor.is_leaf and tensor.requires_grad != fake.requires_grad:
