@@ -50,6 +50,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from autockpt.stats import LOSS_OP, NodeStat, Profile, StorageStat, node_cost
 
@@ -235,9 +236,10 @@ class LongLived:
         """The first stage that saves it."""
         return self.savers[0]
 
-    @property
+    @cached_property
     def reach(self) -> int:
         """The last stage that reads or saves it."""
+        # Cached: the plan search asks for it hundreds of thousands of times.
         return max(self.savers[-1], self.readers[-1] if self.readers else self.producer)
 
 

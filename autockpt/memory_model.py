@@ -56,7 +56,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
-from typing import NamedTuple
+from operator import add
+from typing import Any, NamedTuple
 
 from autockpt.chain import Chain, LongLived, SharedGradient
 
@@ -229,6 +230,9 @@ class MemoryModel:
         self._escaping: dict[tuple[int, int], tuple[int, ...]] = {}
         self._read: dict[tuple[int, int], tuple[int, ...]] = {}
         self._touched: dict[tuple[int, int], frozenset[int]] = {}
+        self._segment_static: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
+        self._escaped_cache: dict[tuple[int, int, frozenset[int]],
+                                  tuple[int, tuple[tuple[int, int], ...]]] = {}
         self._forward_cache: dict[tuple[int, int, bool], list[int]] = {}
         self._segment_cache: dict[tuple[int, int, bool], tuple[int, int]] = {}
         self._backward_max = [list(accumulate((backward[a + k] + copies[k]
@@ -591,11 +595,18 @@ class MemoryModel:
         return self.walk_segment_promising(key, a, b, (kept,))[0]
 
     def walk_segment_promising(self, key: WalkKey, a: int, b: int,
-                               promises: Sequence[frozenset[int]]
+                               promises: Sequence[frozenset[int]], *, unpromised: bool = False
                                ) -> list[tuple[WalkKey, int, int] | None]:
-        """:meth:`walk_segment` for each of ``promises``, sharing what they have in common."""
+        """:meth:`walk_segment` for each of ``promises``, sharing what they have in common.
+        With ``unpromised``, one more step at the end: the escaping storages carried with no
+        promise, at the greatest price of the promises' (NOTE [ Promises that change no
+        price ] in :mod:`autockpt.plan_search`)."""
         chain, ll = self.chain, self.chain.long_lived
-        touched = self._touched_by(a, b)
+        follows = key.follows_segment
+        static = self._segment_static.get((a, b, follows))
+        if static is None:
+            static = self._segment_static[a, b, follows] = self._static_of(a, b, follows)
+        touched, read, forward, top0, escaping, escaping_bytes, total0, after0 = static
         taken_list, rest_list = [], []
         for entry in key.pending:
             (taken_list if entry[0] in touched else rest_list).append(entry)
@@ -603,38 +614,68 @@ class MemoryModel:
             return [None] * len(promises)
         rest = tuple(rest_list)
         held = sum(ll[i].size_bytes for i, _ in taken_list)
-        read = self._passing_read(a, b)
-        again = sum(chain.passing[i].size_bytes for i in read if i in key.held_passing)
-        follows = key.follows_segment
-        inputs = self.segment_inputs(a, follows)
-        seen = _passing_alive(chain, key.held_passing, a)
-        forward = self._forward0(a, b, follows)
+        held_passing = key.held_passing
+        again = sum(chain.passing[i].size_bytes for i in read if i in held_passing)
+        seen = _passing_alive(chain, held_passing, a)
         if rest:
-            alive = [(ll[i].producer, ll[i].reach, ll[i].size_bytes) for i, _ in rest]
-            forward = [f + sum(size for producer, reach, size in alive
-                               if producer < u <= reach)
-                       for u, f in enumerate(forward, start=a)]
-        value = held - seen + max(forward)
-        escaping = self.escaping(a, b)
-        escaping_bytes = sum(ll[i].size_bytes for i in escaping)
-        held_passing = key.held_passing + tuple(i for i in read if i not in key.held_passing)
-        total0, after0 = self._segment0(a, b, follows, inputs)
+            # What the pending storages add to each stage's forward peak: each is alive on
+            # the stages after its producer up to its reach, a range of this segment's stages
+            # (summed by differences, in one pass whatever the number of storages).
+            added = [0] * (b - a + 2)
+            for i, _ in rest:
+                x = ll[i]
+                first, last = max(x.producer + 1, a), min(x.reach, b)
+                if first <= last:
+                    added[first - a] += x.size_bytes
+                    added[last - a + 1] -= x.size_bytes
+            value = held - seen + max(map(add, forward, accumulate(added)))
+        else:
+            value = held - seen + top0
+        held_passing = held_passing + tuple(i for i in read if i not in held_passing)
         out: list[tuple[WalkKey, int, int] | None] = []
         for kept in promises:
-            # In reentrant mode ``segment`` counts the originals of the escaping storages as
-            # alive while the segment runs backward; only a later segment that keeps one as
-            # its input keeps it alive so long (NOTE [ Storages held by the plan ]).
-            dead = 0
-            if self.reentrant:
-                dead = sum(ll[i].size_bytes for i in escaping if i not in kept)
-                made = tuple((i, KEPT if i in kept else NOT_KEPT) for i in escaping)
-            else:
-                made = tuple((i, UNPROMISED) for i in escaping)
+            dead, made = self._escaped(a, b, escaping, kept)
             base = held - again - dead  # ``segment`` is this plus its price on nothing held
             following = self._normalized(True, rest + made, held_passing, b + 1)
             out.append(None if following is None else
                        (following, base + after0 + dead - escaping_bytes,
                         max(value, base + total0)))
+        if unpromised:
+            following = self._normalized(True, rest + tuple((i, UNPROMISED) for i in escaping),
+                                         held_passing, b + 1)
+            base = held - again  # as the promise that every escaping storage is kept
+            out.append(None if following is None else
+                       (following, base + after0 - escaping_bytes, max(value, base + total0)))
+        return out
+
+    def _static_of(self, a: int, b: int, follows: bool) -> tuple[Any, ...]:
+        """What :meth:`walk_segment_promising` needs of segment ``a..b`` whatever the key:
+        the storages it touches, the passing ones it reads, its forward peaks on nothing held
+        and their greatest, the storages escaping it and their bytes, and its peak and held
+        bytes after it on nothing held."""
+        forward = self._forward0(a, b, follows)
+        escaping = self.escaping(a, b)
+        total0, after0 = self._segment0(a, b, follows, self.segment_inputs(a, follows))
+        return (self._touched_by(a, b), self._passing_read(a, b), forward, max(forward),
+                escaping, sum(self.chain.long_lived[i].size_bytes for i in escaping),
+                total0, after0)
+
+    def _escaped(self, a: int, b: int, escaping: tuple[int, ...], kept: frozenset[int]
+                 ) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """For the storages escaping ``a..b`` under the promise ``kept``: the bytes of those
+        no later segment keeps, and their pending entries with their promises."""
+        out = self._escaped_cache.get((a, b, kept))
+        if out is None:
+            ll = self.chain.long_lived
+            # In reentrant mode ``segment`` counts the originals of the escaping storages as
+            # alive while the segment runs backward; only a later segment that keeps one as
+            # its input keeps it alive so long (NOTE [ Storages held by the plan ]).
+            if self.reentrant:
+                out = (sum(ll[i].size_bytes for i in escaping if i not in kept),
+                       tuple((i, KEPT if i in kept else NOT_KEPT) for i in escaping))
+            else:
+                out = (0, tuple((i, UNPROMISED) for i in escaping))
+            self._escaped_cache[a, b, kept] = out
         return out
 
     def _touched_by(self, a: int, b: int) -> frozenset[int]:

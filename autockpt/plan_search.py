@@ -28,6 +28,18 @@ Two things make it exact rather than a heuristic:
   own walk (``plan_peak``) makes the promises by looking ahead, so both walks price a plan
   the same.
 
+# NOTE [ Promises that change no price ]
+A promise changes one number of the segment that makes it: its own backward term, which counts
+the storages kept (a promise about the future), and nothing else: the bytes it adds to the held
+ones, the terms of later stages and what a later holder pays are the same under every promise;
+only which later walks are plans differs (a broken promise ends the walk). So where an entry's
+peak is the same under every promise (the segment's term with every storage kept is no
+higher than the entry's peak and the segment's forward), the promises are not tried: the entry
+goes on with the escaping storages unpromised, which every later holder may take, as a
+storage made by a plain stage is. Its peak is that of each promise's walk, and its walks
+are the union of theirs. Hugging Face T5 (tests/models/test_skip_connections.py's inputs and
+loss, reentrant, least memory) extends 9,183 frontier entries where it extended 44,323.
+
 The number of keys grows with the pending storages crossing a stage, 2 to the number of them
 in the worst case (and the promises double it in reentrant mode). An upper ``bound`` on the
 answer keeps the frontiers small: with no budget, the estimate of the plan the local search
@@ -41,6 +53,7 @@ and 75% of the baseline) it finished, in at most 0.4 s and 22,000 entries (BART)
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from itertools import combinations
 
 from autockpt.chain import Chain
@@ -117,6 +130,7 @@ class _Search:
         self.visited_entries = 0
         """Frontier entries extended so far, against :data:`MAX_ENTRIES`."""
         self.scores: dict[tuple[int, int], int] = {}
+        self.promises: dict[tuple[int, int], list[frozenset[int]]] = {}
         self.carries = [stage.carries_grad for stage in model.chain.stages]
 
     def run(self) -> tuple[int, int, _Path | None] | None:
@@ -150,9 +164,16 @@ class _Search:
                         if self.mode == "reentrant":
                             break
                         continue
-                    for step in model.walk_segment_promising(key, t, b, self._promises(t, b)):
+                    promises = self._promises(t, b)
+                    if len(promises) == 1:
+                        step = model.walk_segment_promising(key, t, b, promises)[0]
                         if step is not None:
                             self._push(fronts[b + 1], step, entries, cost, (t, b))
+                        continue
+                    steps = model.walk_segment_promising(key, t, b, promises, unpromised=True)
+                    free = steps.pop()
+                    if free is not None:  # else no promise has a step either
+                        self._push_promised(fronts[b + 1], free, steps, entries, cost, (t, b))
             fronts[t] = {}
         finals = [entry for entries in fronts[count].values() for entry in entries]
         if not finals:
@@ -179,11 +200,37 @@ class _Search:
         if out:
             front.setdefault(key, []).extend(out)
 
+    def _push_promised(self, front: dict[WalkKey, list[_Entry]], free: tuple[WalkKey, int, int],
+                       steps: list[tuple[WalkKey, int, int] | None], entries: list[_Entry],
+                       cost: int, block: tuple[int, int]) -> None:
+        """:meth:`_push` for a reentrant segment whose escaping storages take promises: an
+        entry whose peak no promise changes goes on with none (``free``), the others once per
+        promise (NOTE [ Promises that change no price ])."""
+        least = min(step[2] for step in steps if step is not None)
+        most = free[2]
+        kept: list[_Entry] = []
+        split: list[_Entry] = []
+        for entry in entries:
+            held, peak = entry[0], entry[1]
+            (kept if max(peak, held + least) >= held + most else split).append(entry)
+        if kept:
+            self._push(front, free, kept, cost, block)
+        if split:
+            for step in steps:
+                if step is not None:
+                    self._push(front, step, split, cost, block)
+
     def _promises(self, a: int, b: int) -> list[frozenset[int]]:
         """Every promise worth trying for the storages escaping ``a..b``: only a storage that
         a later gradient-carrying stage reads or saves can be held by a segment."""
         if self.mode != "reentrant":
             return [frozenset()]
+        found = self.promises.get((a, b))
+        if found is None:
+            found = self.promises[a, b] = self._all_promises(a, b)
+        return found
+
+    def _all_promises(self, a: int, b: int) -> list[frozenset[int]]:
         ll, carries = self.model.chain.long_lived, self.carries
         open_ = [i for i in self.model.escaping(a, b)
                  if any(s > b and carries[s] for s in (*ll[i].savers, *ll[i].readers))]
@@ -206,9 +253,24 @@ def _pareto(entries: list[_Entry]) -> list[_Entry]:
     equal ones, the first."""
     entries.sort(key=lambda e: (e[0], e[1], e[2]))  # stable
     kept: list[_Entry] = []
+    # The staircase of the kept entries' (peak, score): peaks ascending, scores descending,
+    # each point one no kept entry beats on both. An entry is beaten by a kept one (whose held
+    # bytes are no more, by the order) when the point of greatest peak not above its own has
+    # a score not above its own.
+    peaks: list[int] = []
+    scores: list[int] = []
     for entry in entries:
-        if not any(k[1] <= entry[1] and k[2] <= entry[2] for k in kept):
-            kept.append(entry)
+        peak, score = entry[1], entry[2]
+        i = bisect_right(peaks, peak)
+        if i and scores[i - 1] <= score:
+            continue
+        kept.append(entry)
+        start = i - 1 if i and peaks[i - 1] == peak else i
+        end = i
+        while end < len(peaks) and scores[end] >= score:
+            end += 1
+        peaks[start:end] = [peak]
+        scores[start:end] = [score]
     return kept
 
 

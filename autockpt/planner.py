@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from autockpt.budget import DeviceBudget
 from autockpt.chain import Chain, build_chain
@@ -319,11 +320,16 @@ def _descend(chain: Chain, ranges: Ranges, mode: str) -> Ranges:
         ranges = found
 
 
+@lru_cache(maxsize=4)
 def _least_estimate(chain: Chain, ranges: Ranges, mode: str) -> Ranges:
     """The plan of least estimate (then least recompute), from the programme's least-peak
     plan ``ranges``: exactly where the search of NOTE [ An exact search under the plan's own
     estimate ] (:mod:`autockpt.plan_search`) finishes, bounded by the local search's plan;
-    that plan where it gives up."""
+    that plan where it gives up.
+
+    Cached by value (a chain is plain numbers): a plan for a budget needs the least plan too,
+    and a reentrant one whose replay is above its budget asks for it again (one search
+    saved per budget, 0.1-0.5 s on the skip-connection models)."""
     descended = _descend(chain, ranges, mode)
     exact = search_plan(chain, mode, bound=estimate_peak(chain, descended, mode))
     return exact[0] if exact is not None else descended
