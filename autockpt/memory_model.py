@@ -97,6 +97,30 @@ class WalkKey(NamedTuple):
 START = WalkKey(False, (), ())
 """The key before the first stage."""
 
+UNDECIDED = 3
+"""A promise the search has not decided yet: ``UNDECIDED + a`` for the storages escaping the
+segment that starts at stage ``a`` (NOTE [ Promises decided by the holder ] in
+:mod:`autockpt.plan_search`)."""
+
+
+class Undecided(NamedTuple):
+    """A reentrant segment's step with its escaping storages' promises undecided
+    (:meth:`MemoryModel.walk_segment_undecided`); bytes are on top of the held bytes before
+    it, as a step's are."""
+
+    following: WalkKey
+    """The key after it, the escaping storages undecided."""
+    grown: int
+    """What it adds to the held bytes, whatever the promises."""
+    value: int
+    """Its peak with no escaping storage kept, the least of any promise."""
+    term: int
+    """Its own backward term with no escaping storage kept; each one kept adds its bytes."""
+    open_bytes: int
+    """The bytes of the undecided storages: the most that keeping them can add to ``term``."""
+    resolved: tuple[tuple[int, int], ...]
+    """``(group, bytes)``: the storages of earlier undecided groups it holds, kept by it."""
+
 
 def as_tree(ranges: Ranges) -> Tree:
     """Single-level ranges as a tree."""
@@ -595,23 +619,72 @@ class MemoryModel:
         return self.walk_segment_promising(key, a, b, (kept,))[0]
 
     def walk_segment_promising(self, key: WalkKey, a: int, b: int,
-                               promises: Sequence[frozenset[int]], *, unpromised: bool = False
+                               promises: Sequence[frozenset[int]]
                                ) -> list[tuple[WalkKey, int, int] | None]:
-        """:meth:`walk_segment` for each of ``promises``, sharing what they have in common.
-        With ``unpromised``, one more step at the end: the escaping storages carried with no
-        promise, at the greatest price of the promises' (NOTE [ Promises that change no
-        price ] in :mod:`autockpt.plan_search`)."""
+        """:meth:`walk_segment` for each of ``promises``, sharing what they have in common."""
+        common = self._segment_walk(key, a, b)
+        if common is None:
+            return [None] * len(promises)
+        rest, held, again, value, held_passing, _ = common
+        static = self._segment_static[a, b, key.follows_segment]
+        escaping, escaping_bytes, total0, after0 = static[4:]
+        out: list[tuple[WalkKey, int, int] | None] = []
+        for kept in promises:
+            dead, made = self._escaped(a, b, escaping, kept)
+            base = held - again - dead  # ``segment`` is this plus its price on nothing held
+            following = self._normalized(True, rest + made, held_passing, b + 1)
+            out.append(None if following is None else
+                       (following, base + after0 + dead - escaping_bytes,
+                        max(value, base + total0)))
+        return out
+
+    def walk_segment_undecided(self, key: WalkKey, a: int, b: int, open_: tuple[int, ...]
+                               ) -> Undecided | None:
+        """:meth:`walk_segment` in reentrant mode with the promises of the escaping storages
+        ``open_`` left undecided, for the search (NOTE [ Promises decided by the holder ] in
+        :mod:`autockpt.plan_search`). None where ``key`` promised a storage the segment reads
+        to a plain stage."""
+        common = self._segment_walk(key, a, b)
+        if common is None:
+            return None
+        rest, held, again, value, held_passing, resolved = common
+        static = self._segment_static[a, b, key.follows_segment]
+        escaping, escaping_bytes, total0, after0 = static[4:]
+        group = UNDECIDED + a
+        # The segment's own term with nothing kept; each storage a later segment keeps adds
+        # its bytes to it.
+        term = held - again - escaping_bytes + total0
+        undecided = tuple((i, group if i in open_ else NOT_KEPT) for i in escaping)
+        following = self._normalized(True, rest + undecided, held_passing, b + 1)
+        if following is None:
+            return None
+        return Undecided(following, held - again + after0 - escaping_bytes, max(value, term),
+                         term, sum(self.chain.long_lived[i].size_bytes for i in open_),
+                         resolved)
+
+    def _segment_walk(self, key: WalkKey, a: int, b: int
+                      ) -> tuple[tuple[tuple[int, int], ...], int, int, int, tuple[int, ...],
+                                 tuple[tuple[int, int], ...]] | None:
+        """What every promise of segment ``a..b`` walked from ``key`` shares: the pending
+        storages it does not touch, the bytes of those it holds, of the passing ones it holds
+        again, its forward term, the passing storages held after it, and by undecided group
+        the bytes it keeps of that group's storages. None where ``key`` promised a storage it
+        reads to a plain stage."""
         chain, ll = self.chain, self.chain.long_lived
         follows = key.follows_segment
         static = self._segment_static.get((a, b, follows))
         if static is None:
             static = self._segment_static[a, b, follows] = self._static_of(a, b, follows)
-        touched, read, forward, top0, escaping, escaping_bytes, total0, after0 = static
+        touched, read, forward, top0 = static[:4]
         taken_list, rest_list = [], []
         for entry in key.pending:
             (taken_list if entry[0] in touched else rest_list).append(entry)
-        if any(promise == NOT_KEPT for _, promise in taken_list):
-            return [None] * len(promises)
+        resolved: dict[int, int] = {}
+        for i, promise in taken_list:
+            if promise == NOT_KEPT:
+                return None
+            if promise >= UNDECIDED:
+                resolved[promise] = resolved.get(promise, 0) + ll[i].size_bytes
         rest = tuple(rest_list)
         held = sum(ll[i].size_bytes for i, _ in taken_list)
         held_passing = key.held_passing
@@ -632,21 +705,7 @@ class MemoryModel:
         else:
             value = held - seen + top0
         held_passing = held_passing + tuple(i for i in read if i not in held_passing)
-        out: list[tuple[WalkKey, int, int] | None] = []
-        for kept in promises:
-            dead, made = self._escaped(a, b, escaping, kept)
-            base = held - again - dead  # ``segment`` is this plus its price on nothing held
-            following = self._normalized(True, rest + made, held_passing, b + 1)
-            out.append(None if following is None else
-                       (following, base + after0 + dead - escaping_bytes,
-                        max(value, base + total0)))
-        if unpromised:
-            following = self._normalized(True, rest + tuple((i, UNPROMISED) for i in escaping),
-                                         held_passing, b + 1)
-            base = held - again  # as the promise that every escaping storage is kept
-            out.append(None if following is None else
-                       (following, base + after0 - escaping_bytes, max(value, base + total0)))
-        return out
+        return rest, held, again, value, held_passing, tuple(sorted(resolved.items()))
 
     def _static_of(self, a: int, b: int, follows: bool) -> tuple[Any, ...]:
         """What :meth:`walk_segment_promising` needs of segment ``a..b`` whatever the key:

@@ -66,6 +66,62 @@ def test_least_recompute_under_a_budget_matches_brute_force(mode: str) -> None:
     assert checked >= 200
 
 
+@pytest.mark.parametrize("promised", [0, 8])
+def test_promises_tried_or_left_to_their_holders_match_brute_force(
+        monkeypatch: pytest.MonkeyPatch, promised: int) -> None:
+    """Reentrant mode, every promise left to the storage's holder (``MAX_PROMISED = 0``: each
+    segment's escaping storages a group with a debt) or every one tried (8, the former
+    search): the least estimate and the least recompute under budgets are brute force's, on
+    60 random chains (NOTE [ Promises decided by the holder ])."""
+    monkeypatch.setattr(plan_search, "MAX_PROMISED", promised)
+    mode = "reentrant"
+    for seed in range(60):
+        chain = _chain(seed)
+        scored = _scored(chain, mode)
+        found = search_plan(chain, mode)
+        assert found is not None, seed
+        assert (found[1], recompute_cost(chain, found[0], mode)) == min(scored), seed
+        peaks = sorted({peak for peak, _ in scored})
+        for budget in peaks[1::max(1, len(peaks) // 3)]:
+            found = search_plan(chain, mode, budget=budget)
+            assert found is not None, (seed, budget)
+            assert found[1] == estimate_peak(chain, found[0], mode) <= budget
+            expected = min(cost for p, cost in scored if p <= budget)
+            assert recompute_cost(chain, found[0], mode) == expected, (seed, budget)
+
+
+def test_on_unet2dmodel_the_reentrant_search_finishes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' UNet2DModel as the skip-connection tests plan it (reentrant, least memory):
+    trying every promise, the search gave up past ``MAX_ENTRIES``; with the promises of
+    several storages left to their holders it finishes, no higher than the local search's
+    plan."""
+    pytest.importorskip("diffusers")
+    import autockpt
+    from autockpt import planner
+    from tests.models.test_skip_connections import CASES
+
+    case = next(c for c in CASES if c.name == "diffusers_unet2d")
+    searched: list[tuple[Chain, dict[str, int | None]]] = []
+    real = planner.search_plan
+
+    def spy(chain: Chain, mode: str, **kwargs: int | None):  # type: ignore[no-untyped-def]
+        searched.append((chain, kwargs))
+        return real(chain, mode, **kwargs)
+
+    monkeypatch.setattr(planner, "search_plan", spy)
+    planner._least_estimate.cache_clear()
+    args, kwargs = case.inputs()
+    autockpt.plan(case.build(), args, example_kwargs=kwargs, mode="reentrant",
+                  loss_fn=case.loss_fn)
+    chain, bounds = searched[0]
+    assert set(bounds) == {"bound"}  # the least-memory search
+    found = search_plan(chain, "reentrant", **bounds)
+    assert found is not None
+    assert found[1] <= bounds["bound"]  # type: ignore[operator]
+    monkeypatch.setattr(plan_search, "MAX_PROMISED", 8)
+    assert search_plan(chain, "reentrant", **bounds) is None
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_bound_keeps_the_answer_and_prunes_what_is_above_it(mode: str) -> None:
     """A bound at the answer changes nothing; a bound below it leaves nothing; a recompute
