@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -172,9 +173,11 @@ class _Stack(torch.nn.Module):
         return self.head(x)
 
 
-def test_the_modules_rung_replays_its_plan_with_the_users_loss() -> None:
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_the_modules_rung_replays_its_plan_with_the_users_loss(mode: str) -> None:
     """Without a graph the rung cannot run ``loss_fn`` with the model, so it chooses blocks by
-    an assumed gradient; the replay runs the step with the user's loss, and is its peak."""
+    an assumed gradient; the replay runs the step with the user's loss, and is its peak, in
+    both modes."""
     torch.manual_seed(0)
     x = torch.randn(32, 64)
     target = torch.randint(0, 10, (32,))
@@ -183,7 +186,7 @@ def test_the_modules_rung_replays_its_plan_with_the_users_loss() -> None:
         return torch.nn.functional.cross_entropy(logits, target)
 
     with contextlib.redirect_stdout(io.StringIO()):
-        transformed = autockpt.apply(_Stack(), None, example_inputs=(x,), mode="reentrant",
+        transformed = autockpt.apply(_Stack(), None, example_inputs=(x,), mode=mode,
                                      capture="modules", loss_fn=loss_fn)
     plan = autockpt.plan_of(transformed)
     assert plan.capture == "modules" and plan.segments
@@ -191,6 +194,38 @@ def test_the_modules_rung_replays_its_plan_with_the_users_loss() -> None:
     assert any("replayed the step with loss_fn" in note for note in plan.notes), plan.notes
     measured = autockpt.measure(transformed, (x,), loss_fn=loss_fn).peak_activation_bytes
     assert plan.estimated_peak_bytes == measured
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_the_modules_rung_meets_half_the_baseline_on_hugging_face_bart(mode: str) -> None:
+    """Hugging Face BART through the modules rung (as under torch 2.11, whose export fails on
+    its LayerDrop): at half the measured peak without checkpointing, its own loss, the step
+    measures within the budget. A non-reentrant plan priced by the rung's model alone
+    measured 11% above its estimate here (and 10% above its budget on an H100)."""
+    pytest.importorskip("transformers")
+    from tests import skip_models
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(3, skip_models.SEQ2SEQ_VOCAB, (4, 64), generator=gen)
+                   for _ in range(2))
+    kwargs = {"input_ids": ids, "labels": labels}
+
+    def own_loss(out: Any) -> torch.Tensor:
+        return out.loss
+
+    model = skip_models.bart().train()
+    baseline = autockpt.measure(model, (), example_kwargs=kwargs,
+                                loss_fn=own_loss).peak_activation_bytes
+    budget_mb = baseline / 2 / 2**20
+    plan = autockpt.plan(model, (), example_kwargs=kwargs, mode=mode, capture="modules",
+                         budget_mb=budget_mb, loss_fn=own_loss)
+    assert plan.capture == "modules" and plan.segments and plan.estimate == "replay"
+    with contextlib.redirect_stdout(io.StringIO()):
+        transformed = autockpt.apply(model, plan=plan, example_kwargs=kwargs)
+    measured = autockpt.measure(transformed, (), example_kwargs=kwargs,
+                                loss_fn=own_loss).peak_activation_bytes
+    assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
 
 
 def test_a_modules_replay_puts_back_the_blocks_the_running_plan_chose() -> None:
