@@ -616,27 +616,18 @@ class MemoryModel:
         storages of :meth:`escaping` whose first holder after ``b`` is a checkpointed segment
         that reads them, a promise the key carries until a holder keeps or breaks it. None
         where ``key`` promised the opposite for a storage the segment reads."""
-        return self.walk_segment_promising(key, a, b, (kept,))[0]
-
-    def walk_segment_promising(self, key: WalkKey, a: int, b: int,
-                               promises: Sequence[frozenset[int]]
-                               ) -> list[tuple[WalkKey, int, int] | None]:
-        """:meth:`walk_segment` for each of ``promises``, sharing what they have in common."""
-        common = self._segment_walk(key, a, b)
+        static = self._static(a, b, key.follows_segment)
+        common = self._segment_walk(key, a, b, static)
         if common is None:
-            return [None] * len(promises)
+            return None
         rest, held, again, value, held_passing, _ = common
-        static = self._segment_static[a, b, key.follows_segment]
         escaping, escaping_bytes, total0, after0 = static[4:]
-        out: list[tuple[WalkKey, int, int] | None] = []
-        for kept in promises:
-            dead, made = self._escaped(a, b, escaping, kept)
-            base = held - again - dead  # ``segment`` is this plus its price on nothing held
-            following = self._normalized(True, rest + made, held_passing, b + 1)
-            out.append(None if following is None else
-                       (following, base + after0 + dead - escaping_bytes,
-                        max(value, base + total0)))
-        return out
+        dead, made = self._escaped(a, b, escaping, kept)
+        base = held - again - dead  # ``segment`` is this plus its price on nothing held
+        following = self._normalized(True, rest + made, held_passing, b + 1)
+        if following is None:
+            return None
+        return following, base + after0 + dead - escaping_bytes, max(value, base + total0)
 
     def walk_segment_undecided(self, key: WalkKey, a: int, b: int, open_: tuple[int, ...]
                                ) -> Undecided | None:
@@ -644,11 +635,11 @@ class MemoryModel:
         ``open_`` left undecided, for the search (NOTE [ Promises decided by the holder ] in
         :mod:`autockpt.plan_search`). None where ``key`` promised a storage the segment reads
         to a plain stage."""
-        common = self._segment_walk(key, a, b)
+        static = self._static(a, b, key.follows_segment)
+        common = self._segment_walk(key, a, b, static)
         if common is None:
             return None
         rest, held, again, value, held_passing, resolved = common
-        static = self._segment_static[a, b, key.follows_segment]
         escaping, escaping_bytes, total0, after0 = static[4:]
         group = UNDECIDED + a
         # The segment's own term with nothing kept; each storage a later segment keeps adds
@@ -662,7 +653,7 @@ class MemoryModel:
                          term, sum(self.chain.long_lived[i].size_bytes for i in open_),
                          resolved)
 
-    def _segment_walk(self, key: WalkKey, a: int, b: int
+    def _segment_walk(self, key: WalkKey, a: int, b: int, static: tuple[Any, ...]
                       ) -> tuple[tuple[tuple[int, int], ...], int, int, int, tuple[int, ...],
                                  tuple[tuple[int, int], ...]] | None:
         """What every promise of segment ``a..b`` walked from ``key`` shares: the pending
@@ -671,10 +662,6 @@ class MemoryModel:
         the bytes it keeps of that group's storages. None where ``key`` promised a storage it
         reads to a plain stage."""
         chain, ll = self.chain, self.chain.long_lived
-        follows = key.follows_segment
-        static = self._segment_static.get((a, b, follows))
-        if static is None:
-            static = self._segment_static[a, b, follows] = self._static_of(a, b, follows)
         touched, read, forward, top0 = static[:4]
         taken_list, rest_list = [], []
         for entry in key.pending:
@@ -707,17 +694,21 @@ class MemoryModel:
         held_passing = held_passing + tuple(i for i in read if i not in held_passing)
         return rest, held, again, value, held_passing, tuple(sorted(resolved.items()))
 
-    def _static_of(self, a: int, b: int, follows: bool) -> tuple[Any, ...]:
-        """What :meth:`walk_segment_promising` needs of segment ``a..b`` whatever the key:
-        the storages it touches, the passing ones it reads, its forward peaks on nothing held
-        and their greatest, the storages escaping it and their bytes, and its peak and held
-        bytes after it on nothing held."""
-        forward = self._forward0(a, b, follows)
-        escaping = self.escaping(a, b)
-        total0, after0 = self._segment0(a, b, follows, self.segment_inputs(a, follows))
-        return (self._touched_by(a, b), self._passing_read(a, b), forward, max(forward),
+    def _static(self, a: int, b: int, follows: bool) -> tuple[Any, ...]:
+        """What a walk of segment ``a..b`` needs whatever the key: the storages it touches,
+        the passing ones it reads, its forward peaks on nothing held and their greatest, the
+        storages escaping it and their bytes, and its peak and held bytes after it on nothing
+        held."""
+        out = self._segment_static.get((a, b, follows))
+        if out is None:
+            forward = self._forward0(a, b, follows)
+            escaping = self.escaping(a, b)
+            total0, after0 = self._segment0(a, b, follows, self.segment_inputs(a, follows))
+            out = self._segment_static[a, b, follows] = (
+                self._touched_by(a, b), self._passing_read(a, b), forward, max(forward),
                 escaping, sum(self.chain.long_lived[i].size_bytes for i in escaping),
                 total0, after0)
+        return out
 
     def _escaped(self, a: int, b: int, escaping: tuple[int, ...], kept: frozenset[int]
                  ) -> tuple[int, tuple[tuple[int, int], ...]]:

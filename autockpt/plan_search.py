@@ -198,7 +198,7 @@ class _Search:
                             break
                         continue
                     if not reentrant:
-                        step = model.walk_segment_promising(key, t, b, (frozenset(),))[0]
+                        step = model.walk_segment(key, t, b)
                         if step is not None:
                             self._push(fronts[b + 1], step, entries, cost, (t, b))
                         continue
@@ -246,6 +246,11 @@ class _Search:
         resolved = dict(step.resolved)
         group = block[0] + UNDECIDED
         undecided = self._remaining(step.following)
+        # The keys an entry goes on under depend on the step alone; they differ from
+        # ``step.following`` in ``group`` alone, so its undecided bytes hold for them.
+        free = self._freed(step.following, (group,))
+        promises = (self._promises(step.following, group, open_)
+                    if 0 < len(open_) <= MAX_PROMISED else [])
         for held, peak, spent, path, debts in entries:  # by held bytes, ascending
             if limit is not None and held + step.value > limit:
                 break  # the rest hold more
@@ -265,13 +270,10 @@ class _Search:
             if limit is not None and new_peak > limit:
                 continue
             entry = (held + step.grown, new_peak, spent + cost, (block, path), debts)
-            # The keys below differ from ``step.following`` in ``group`` alone, so its
-            # undecided bytes hold for them.
             if held + step.term + step.open_bytes <= new_peak:  # no promise matters
-                self._place(front, self._freed(step.following, (group,)), undecided, entry,
-                            debts)
-            elif len(open_) <= MAX_PROMISED:
-                for promised, kept_bytes in self._promises(step.following, group, open_):
+                self._place(front, free, undecided, entry, debts)
+            elif promises:
+                for promised, kept_bytes in promises:
                     peak = max(new_peak, held + step.term + kept_bytes)
                     if limit is None or peak <= limit:
                         self._place(front, promised, undecided, entry[:1] + (peak,) + entry[2:],
