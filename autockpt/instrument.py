@@ -52,6 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from autockpt.fake_outputs import FakeOutputs
+
 __all__ = [
     "LiveStorages",
     "Op",
@@ -411,7 +413,7 @@ class OpWatch(TorchDispatchMode):
 
     def __init__(self, observer: OpObserver,
                  rules: Mapping[torch._ops.OpOverload, Callable[..., Any]] | None = None,
-                 flops: FlopTally | None = None) -> None:
+                 flops: FlopTally | None = None, memo: FakeOutputs | None = None) -> None:
         super().__init__()
         self.observer = observer
         self.count = 0
@@ -420,6 +422,10 @@ class OpWatch(TorchDispatchMode):
         # the op.
         self._rules = rules or {}
         self.flops = flops
+        # Outputs of ops on fake tensors remembered from their first run (NOTE [ Fake
+        # outputs from an op's first run ] in autockpt.fake_outputs): only for a watch that
+        # runs directly above FakeTensorMode, whose outputs the memo replaces.
+        self._memo = memo
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         rule = self._rules.get(func)
@@ -431,12 +437,29 @@ class OpWatch(TorchDispatchMode):
         self.count += 1
         op = Op(self.count, func, args, kwargs or {})
         self.observer.before_op(op)
-        out = rule(*args, **op.kwargs) if rule is not None else None
-        if out is None:
-            out = func(*args, **op.kwargs) if self.flops is None else \
-                self.flops.run(func, args, op.kwargs)
+        if self._memo is None:
+            out = self._run(func, args, op.kwargs, rule)[0]
+        else:
+            # Before the rules: a remembered op costs less than most rules.
+            out, flops, remembered = self._memo.run(
+                func, args, op.kwargs, lambda: self._run(func, args, op.kwargs, rule))
+            if remembered and self.flops is not None:
+                self.flops.total += flops
         self.observer.after_op(op, out)
         return out
+
+    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             rule: Callable[..., Any] | None) -> tuple[Any, int]:
+        """The op's outputs, by its rule where one claims the call, else by running it; and
+        the FLOPs it added to the tally."""
+        out = rule(*args, **kwargs) if rule is not None else None
+        if out is not None:
+            return out, 0
+        if self.flops is None:
+            return func(*args, **kwargs), 0
+        before = self.flops.total
+        out = self.flops.run(func, args, kwargs)
+        return out, self.flops.total - before
 
 
 # --------------------------------------------------------------------------- FLOPs

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 
 from autockpt.errors import InvalidArgumentError
 from autockpt.capture import has_hooks
+from autockpt.fake_outputs import SHARED
 from autockpt.instrument import (FlopTally, LiveStorages, Op, OpObserver, OpWatch, SavedTensors,
                                  map_tensors, run_with_state, storage_key, tensors, watch_saved,
                                  widen_reduced_loss)
@@ -403,7 +404,7 @@ class _ProfileRunner(fx.Interpreter):
     def profile_graph(self, *values_in: Any) -> None:
         """One run of the graph on the forward's (fake) parameters, every node measured (from
         the resumed node on, after :meth:`resume`)."""
-        watch = OpWatch(self._watcher, _SHAPE_RULES, flops=self._counter)
+        watch = OpWatch(self._watcher, _SHAPE_RULES, flops=self._counter, memo=SHARED)
         try:
             with watch, watch_saved(self._pack, self._saved):
                 self.run(*values_in, initial_env=self._initial_env,

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autockpt.fake_outputs import SHARED
 from autockpt.instrument import (Op, OpObserver, OpWatch, is_fake, map_tensors, run_with_state,
                                  tensors, widen_reduced_loss)
 from autockpt.loss import LossFn, planned_loss
@@ -203,7 +204,7 @@ def _fake_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         # The fake step draws no random numbers, but a checkpoint stashes and sets the state.
         # The profile's shape rules answer the ops whose fake kernels are slow Python
         # decompositions (normalisations, activation backwards) with the same outputs.
-        with torch.random.fork_rng(devices=[]), unobserved(), OpWatch(_Widen(), SHAPE_RULES):
+        with torch.random.fork_rng(devices=[]), unobserved(), OpWatch(_Widen(), SHAPE_RULES, memo=SHARED):
             return int(run_with_state(model, state, tracked, ()))
 
 
