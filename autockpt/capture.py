@@ -312,14 +312,19 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         for mod, was_training in flags:
             mod.training = was_training
     sys.stderr.write(printed.getvalue())
-    unlifted = exported.module()
-    in_spec, out_spec = unlifted._in_spec, unlifted._out_spec
-    graph = fx.Graph()
-    out = graph.graph_copy(unlifted.graph, {})
-    graph.output(out)
-    for node in list(graph.nodes):
-        if node.op == "call_module" and str(node.target) == "_guards_fn" and not node.users:
-            graph.erase_node(node)
+    in_spec, out_spec = exported.call_spec.in_spec, exported.call_spec.out_spec
+    lifted = _unlifted(exported)
+    if lifted is not None:
+        graph, root = lifted
+    else:
+        unlifted = exported.module()
+        in_spec, out_spec = unlifted._in_spec, unlifted._out_spec
+        graph, root = fx.Graph(), unlifted
+        graph.output(graph.graph_copy(unlifted.graph, {}))
+        for node in list(graph.nodes):
+            if node.op == "call_module" and str(node.target) == "_guards_fn" \
+                    and not node.users:
+                graph.erase_node(node)
     # Export reads parameters (get_attr) before the inputs; the planner expects the inputs
     # first, as fx puts them, so that no segment can start before an input exists.
     first = next(iter(graph.nodes))
@@ -327,7 +332,7 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         if node is not first:
             first.prepend(node)
     graph.lint()
-    graph_module = fx.GraphModule(unlifted, graph, class_name=cls.__name__)
+    graph_module = fx.GraphModule(root, graph, class_name=cls.__name__)
     _check_shared_state(module, graph_module)
     placeholders = tuple(n.name for n in graph.nodes if n.op == "placeholder")
 
@@ -361,6 +366,94 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
                "can save more for backward than its own backward needs; capture='fx', where "
                "the model traces, keeps it whole",) if inlined else (),
     )
+
+
+# NOTE [ Unlifting the exported graph ]
+# An ExportedProgram's graph takes the parameters, buffers and constants as inputs ("lifted")
+# and returns the buffers it mutates (BatchNorm's running statistics) before the user's
+# outputs. ``ExportedProgram.module()`` turns that back into a module that reads its state
+# with get_attr nodes and writes mutated buffers back with ``copy_``; it was a sixth of
+# export's time on a diffusers UNet, most of it building modules and code that autockpt then
+# throws away for its own. :func:`_unlifted` makes the same graph directly from the program's
+# signature: each lifted input becomes a get_attr of its qualified name, each mutated buffer
+# (or input) an ``aten.copy_`` of its new value into it before the output, and the output the
+# user's outputs alone, as a tuple the output spec unflattens. A program with anything else
+# in its signature (effect tokens, outside the training dialect) goes through
+# ``ExportedProgram.module()`` as before.
+
+_LIFTED = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR", "CUSTOM_OBJ")
+_MUTATED = ("BUFFER_MUTATION", "USER_INPUT_MUTATION", "PARAMETER_MUTATION")
+
+
+def _unlifted(exported: Any) -> tuple[fx.Graph, nn.Module] | None:
+    """The exported graph with its state read by get_attr and its mutations written back,
+    and a module that holds that state by qualified name; None for a program it does not
+    handle (NOTE [ Unlifting the exported graph ])."""
+    signature = exported.graph_signature
+    if exported.verifiers[0].dialect != "TRAINING" or any(
+            spec.kind.name not in (*_LIFTED, "USER_INPUT") for spec in signature.input_specs) \
+            or any(spec.kind.name not in (*_MUTATED, "USER_OUTPUT")
+                   for spec in signature.output_specs):
+        return None
+    state = {**exported.state_dict, **exported.constants}
+    graph = fx.Graph()
+    out = graph.graph_copy(exported.graph, {})
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(signature.input_specs):
+        return None
+    read: dict[str, fx.Node] = {}
+    for node, spec in zip(placeholders, signature.input_specs):
+        if spec.kind.name == "USER_INPUT":
+            read[node.name] = node
+            continue
+        if spec.target not in state:
+            return None
+        with graph.inserting_after(node):
+            getter = graph.get_attr(spec.target)
+        node.replace_all_uses_with(getter)
+        getter.meta = node.meta
+        graph.erase_node(node)
+        read[spec.target] = getter
+    values = list(out) if isinstance(out, (list, tuple)) else [out]
+    if len(values) != len(signature.output_specs):
+        return None
+    outputs = []
+    for value, spec in zip(values, signature.output_specs):
+        if spec.kind.name == "USER_OUTPUT":
+            outputs.append(value)
+        elif spec.target in read:
+            graph.call_function(torch.ops.aten.copy_.default, (read[spec.target], value))
+        else:
+            return None
+    graph.output(tuple(outputs))
+    # Installed in graph order, as the program's own module would give them to the graph
+    # module: of two tied names, the first read is the one named_parameters() keeps.
+    root = nn.Module()
+    transient = set(signature.non_persistent_buffers)
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            target = str(node.target)
+            # The submodules of higher-order ops (a region under no_grad) are the program's.
+            value = state[target] if target in state else _fetch(exported.graph_module, target)
+            _install(root, target, value, buffer=target in signature.buffers,
+                     persistent=target not in transient)
+    return graph, root
+
+
+def _install(root: nn.Module, target: str, value: Any, *, buffer: bool,
+             persistent: bool) -> None:
+    *path, name = target.split(".")
+    owner = root
+    for atom in path:
+        if not hasattr(owner, atom):
+            owner.add_module(atom, nn.Module())
+        owner = getattr(owner, atom)
+    if hasattr(owner, name):
+        return
+    if buffer:
+        owner.register_buffer(name, value, persistent=persistent)
+    else:
+        setattr(owner, name, value)
 
 
 def _check_shared_state(module: nn.Module, graph_module: fx.GraphModule) -> None:

@@ -193,6 +193,65 @@ def test_a_named_rung_is_used_alone() -> None:
     assert autockpt.plan(net, (torch.randn(2, 8),)).capture == "fx"
 
 
+class _StatefulNet(nn.Module):
+    """Everything an exported program lifts: tied parameters, a BatchNorm whose running
+    statistics the step writes (in place, in the training dialect), a non-persistent buffer,
+    a tensor constant, and a region under no_grad (a higher-order op with a submodule of its
+    own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((8,), 2.0), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(ids).transpose(1, 2)).transpose(1, 2)
+        h = h * self.scale + torch.tensor([0.5])
+        with torch.no_grad():
+            shift = h.mean()
+        return self.head(h) - shift
+
+
+def test_the_exported_graph_is_unlifted_as_torch_unlifts_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Unlifting the exported graph ]: the same nodes, state, names and steps as
+    ``ExportedProgram.module()`` gives."""
+    from autockpt import capture as capture_module
+
+    net, ids = _StatefulNet(), torch.randint(0, 10, (4, 6))
+    unlift, made = capture_module._unlifted, []
+    monkeypatch.setattr(capture_module, "_unlifted", lambda exported: made.append(
+        unlift(exported)) or made[-1])
+    ours = capture_module.export_trace(net, (ids,), {})
+    assert made and made[0] is not None
+    monkeypatch.setattr(capture_module, "_unlifted", lambda exported: None)
+    torchs = capture_module.export_trace(net, (ids,), {})
+
+    def described(traced: Any) -> Any:
+        gm = traced.graph_module
+        nodes = [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs),
+                  sorted(k for k in n.meta if k != "from_node")) for n in gm.graph.nodes]
+        return (nodes, [name for name, _ in gm.named_parameters()],
+                [name for name, _ in gm.named_buffers()], list(gm.state_dict()),
+                sorted(traced.constants))
+
+    assert described(ours) == described(torchs)
+    outputs = []
+    for traced in (ours, torchs):
+        twin = copy.deepcopy(net)
+        gm = copy.deepcopy(traced.graph_module)
+        gm.load_state_dict(twin.state_dict(), strict=False)
+        out = traced.unflatten(gm(*traced.flatten({"ids": ids})))
+        outputs.append({"out": out, "running_mean": gm.norm.running_mean.clone(),
+                        "steps": gm.norm.num_batches_tracked.clone()})
+    assert_same_tensors(outputs[0], outputs[1], exact=True)
+    assert not torch.equal(outputs[0]["running_mean"], net.norm.running_mean)
+    assert outputs[0]["steps"].item() == 1
+
+
 def test_export_leaves_torchs_stack_trace_switch_as_it_found_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
