@@ -203,8 +203,10 @@ def _fake_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
         # The fake step draws no random numbers, but a checkpoint stashes and sets the state.
         # The profile's shape rules answer the ops whose fake kernels are slow Python
-        # decompositions (normalisations, activation backwards) with the same outputs.
-        with torch.random.fork_rng(devices=[]), unobserved(), OpWatch(_Widen(), SHAPE_RULES, memo=SHARED):
+        # decompositions (normalisations, activation backwards) with the same outputs, and
+        # the memo the ops the profile or the step already ran (the recomputations).
+        watch = OpWatch(_Widen(), SHAPE_RULES, memo=SHARED)
+        with torch.random.fork_rng(devices=[]), unobserved(), watch:
             return int(run_with_state(model, state, tracked, ()))
 
 
