@@ -85,7 +85,6 @@ from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_cou
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs
 from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
-from autockpt.shape_rules import DRAW_RULES
 from autockpt.stats import NodeStat, Profile, StorageStat, assume_loss
 from autockpt.trace import base_class, generated_subclass, shallow_view
 
@@ -194,9 +193,7 @@ class _Recorder(OpObserver):
     :func:`~autockpt.instrument.storage_key`."""
 
     def __init__(self, old_keys: set[int]) -> None:
-        # A random scalar gets a value on fake tensors (NOTE [ A random scalar on fake
-        # tensors ] in autockpt.shape_rules); a real forward draws it.
-        self.watch = OpWatch(self, DRAW_RULES)
+        self.watch = OpWatch(self)
         self.old_keys = old_keys
         self.live: LiveStorages[int] = LiveStorages(self._freed)  # storage -> serial
         self.sizes: list[int] = []  # by serial

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["DRAW_RULES", "SHAPE_RULES", "ShapeRule"]
+__all__ = ["SHAPE_RULES", "ShapeRule"]
 
 ShapeRule = Callable[..., Any]
 """Takes an op's arguments as the op does; returns its outputs, or None to run the op."""
@@ -276,33 +276,6 @@ def _device(tensor: Any) -> Any:
     return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
 
 
-# NOTE [ A random scalar on fake tensors ]
-# LayerDrop (Hugging Face's BART and its relatives, in some transformers releases even with
-# a drop probability of 0) draws ``torch.rand([])`` and compares it with the probability in
-# Python. A fake tensor has no value to compare, so the forward raised on fake tensors: the
-# modules rung profiled it on real ones and could not replay its plan, whose estimate was
-# then 9.9% below the step on an H100 (benchmarks/RESULTS.md). A 0-dimensional draw is
-# answered with a fake tensor that carries a value, which FakeTensorMode propagates through
-# the comparison: the largest value below 1, for which ``rand < p`` is false for every
-# probability below 1, so no layer is dropped and the step priced is the one that keeps
-# them all, the one with the most memory. Only draws on the CPU (where the value is made)
-# are answered; any other runs as before.
-
-
-def _scalar_draw(size: Sequence[int], dtype: torch.dtype | None = None, layout: Any = None,
-                 device: Any = None, pin_memory: Any = None) -> Any:
-    """``torch.rand([])`` on fake tensors: a fake tensor whose value is the largest below 1
-    (NOTE [ A random scalar on fake tensors ])."""
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    dtype = torch.get_default_dtype() if dtype is None else dtype
-    if len(size) != 0 or mode is None or not dtype.is_floating_point or (
-            device is not None and torch.device(device).type != "cpu"):
-        return None
-    with torch._C._DisableTorchDispatch():
-        value = torch.nextafter(torch.ones((), dtype=dtype), torch.zeros((), dtype=dtype))
-    return mode.fake_tensor_converter.from_real_tensor(mode, value, make_constant=True)
-
-
 def _pointwise_backward(grad_out: Any, input: Any, *rest: Any, **kwargs: Any) -> Any:
     """The backward of an activation: the gradient of its input, laid out like both
     operands when they share a layout."""
@@ -327,10 +300,5 @@ SHAPE_RULES: Mapping[torch._ops.OpOverload, ShapeRule] = {
     _aten.tanh_backward.default: _pointwise_backward,
     _aten.view.default: _view,
     torch.ops.prim.device.default: _device,
-    _aten.rand.default: _scalar_draw,
 }
 """The ops answered by a rule (NOTE [ Ops answered by a shape rule ])."""
-
-DRAW_RULES: Mapping[torch._ops.OpOverload, ShapeRule] = {_aten.rand.default: _scalar_draw}
-"""The rule for a random scalar alone, for fake forwards that take no other rule (NOTE
-[ A random scalar on fake tensors ])."""

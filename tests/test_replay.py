@@ -228,44 +228,6 @@ def test_the_modules_rung_meets_half_the_baseline_on_hugging_face_bart(mode: str
     assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
 
 
-class _LayerDrop(_Stack):
-    """_Stack with LayerDrop as some transformers releases write it for BART: a random scalar
-    drawn and compared in Python for each block, even at a probability of 0."""
-
-    def __init__(self, drop: float) -> None:
-        super().__init__()
-        self.drop = drop
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            if self.training and torch.rand([]) < self.drop:
-                continue
-            x = x + block(x)
-        return self.head(x)
-
-
-@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
-def test_a_forward_that_compares_a_random_scalar_is_profiled_and_replayed_on_fake_tensors(
-        mode: str) -> None:
-    """NOTE [ A random scalar on fake tensors ]: the modules rung's forward and the replay run
-    on fake tensors (they raised on the comparison), the replayed estimate is the measured
-    peak of the step, which keeps every block at a probability of 0, and the random stream is
-    the one a real step draws from."""
-    torch.manual_seed(0)
-    x = torch.randn(32, 64)
-    model = _LayerDrop(0.0).train()
-    assert modules.profile_modules(model, (x,)).fake
-    torch.manual_seed(5)
-    plan = autockpt.plan(model, (x,), mode=mode, capture="modules")
-    drawn = torch.rand(())
-    torch.manual_seed(5)
-    assert torch.equal(drawn, torch.rand(()))
-    assert plan.capture == "modules" and plan.segments and plan.estimate == "replay", plan.notes
-    with contextlib.redirect_stdout(io.StringIO()):
-        transformed = autockpt.apply(model, plan=plan, example_inputs=(x,))
-    assert plan.estimated_peak_bytes == autockpt.measure(transformed, (x,)).peak_activation_bytes
-
-
 def test_a_modules_replay_puts_back_the_blocks_the_running_plan_chose() -> None:
     """A second input size of a transformed module is planned (and replayed) while the first
     size's blocks are installed in views it shares: they are left as they were."""
