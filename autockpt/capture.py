@@ -318,7 +318,6 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         graph, root = lifted
     else:
         unlifted = exported.module()
-        in_spec, out_spec = unlifted._in_spec, unlifted._out_spec
         graph, root = fx.Graph(), unlifted
         graph.output(graph.graph_copy(unlifted.graph, {}))
         for node in list(graph.nodes):
@@ -370,9 +369,10 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
 # NOTE [ Unlifting the exported graph ]
 # An ExportedProgram's graph takes the parameters, buffers and constants as inputs ("lifted")
-# and returns the buffers it mutates (BatchNorm's running statistics) before the user's
-# outputs. ``ExportedProgram.module()`` turns that back into a module that reads its state
-# with get_attr nodes and writes mutated buffers back with ``copy_``; it was a sixth of
+# and may return buffers it mutates before the user's outputs (in the training dialect
+# export uses, BatchNorm's running statistics are written in place in the graph instead).
+# ``ExportedProgram.module()`` turns that back into a module that reads its state with
+# get_attr nodes and writes returned mutations back with ``copy_``; it was a sixth of
 # export's time on a diffusers UNet, most of it building modules and code that autockpt then
 # throws away for its own. :func:`_unlifted` makes the same graph directly from the program's
 # signature: each lifted input becomes a get_attr of its qualified name, each mutated buffer

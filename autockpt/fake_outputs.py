@@ -67,12 +67,17 @@ class _Unkeyable(Exception):
     """An argument the memo cannot key: the op runs."""
 
 
-def _key_of(value: Any, parts: list[Any]) -> None:
+def _key_of(value: Any, parts: list[Any], fakes: list[FakeTensor]) -> None:
+    """Append ``value``'s key to ``parts`` and its fake tensors, in order, to ``fakes`` (a
+    recursive function, not a closure: a recursive closure is a reference cycle, which would
+    keep the op's arguments, and the storages planning watches, alive until the garbage
+    collector runs)."""
     kind = type(value)
     if kind is FakeTensor:
         if value.constant is not None or value.dtype.is_complex or value.is_sparse \
                 or value.fake_mode.shape_env is not None:
             raise _Unkeyable
+        fakes.append(value)
         parts.append((value.shape, value.stride(), value.dtype, value.storage_offset(),
                       value.fake_device))
     elif kind in _PLAIN:
@@ -80,7 +85,7 @@ def _key_of(value: Any, parts: list[Any]) -> None:
     elif kind is list or kind is tuple:
         parts.append((kind, len(value)))
         for item in value:
-            _key_of(item, parts)
+            _key_of(item, parts, fakes)
     else:
         raise _Unkeyable
 
@@ -91,17 +96,17 @@ def _storage_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: in
     return (1 + sum((size - 1) * step for size, step in zip(shape, stride))) * itemsize
 
 
-def _meta_of(out: Any, args: list[FakeTensor], seen: set[int]) -> _Meta | None:
+def _meta_of(out: Any, fakes: list[FakeTensor], seen: set[int]) -> _Meta | None:
     """The metadata of one output; raises _Unkeyable for one the memo cannot make."""
     if out is None:
         return None
     if type(out) is not FakeTensor or out.constant is not None or out.requires_grad \
-            or out.dtype.is_complex or out.is_sparse or any(out is arg for arg in args):
+            or out.dtype.is_complex or out.is_sparse or any(out is arg for arg in fakes):
         raise _Unkeyable
     storage = out.untyped_storage()._cdata
     shape, stride = tuple(out.shape), out.stride()
     meta = (shape, stride, out.dtype, out.fake_device)
-    base = next((i for i, arg in enumerate(args) if arg.untyped_storage()._cdata == storage),
+    base = next((i for i, arg in enumerate(fakes) if arg.untyped_storage()._cdata == storage),
                 None)
     if base is not None:  # a view of an argument (split's outputs share one)
         return (*meta, base, out.storage_offset())
@@ -158,9 +163,10 @@ class FakeOutputs:
                 or not self._remembers(func):
             return (*call(), False)
         parts: list[Any] = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
+        fakes: list[FakeTensor] = []
         try:
-            _key_of(args, parts)
-            _key_of(tuple(kwargs.items()), parts)
+            _key_of(args, parts, fakes)
+            _key_of(tuple(kwargs.items()), parts, fakes)
         except _Unkeyable:
             return (*call(), False)
         key = tuple(parts)
@@ -169,29 +175,15 @@ class FakeOutputs:
             return (*call(), False)
         if entry is not False:
             self.hits += 1
-            return _made(args, entry), entry[2], True
+            return _made(fakes, entry), entry[2], True
         out, flops = call()
         if len(self._entries) >= MAX_ENTRIES:
             self._entries.clear()
-        self._entries[key] = _entry_of(out, args, flops)
+        self._entries[key] = _entry_of(out, fakes, flops)
         return out, flops, False
 
 
-def _fake_tensors(value: Any, found: list[FakeTensor] | None = None) -> list[FakeTensor]:
-    """The FakeTensors in ``value`` and the lists and tuples in it, in order. (Not a closure:
-    a recursive closure is a reference cycle, which would keep the op's arguments alive, and
-    the storages that planning watches, until the garbage collector runs.)"""
-    found = [] if found is None else found
-    if type(value) is FakeTensor:
-        found.append(value)
-    elif type(value) in (list, tuple):
-        for item in value:
-            _fake_tensors(item, found)
-    return found
-
-
-def _entry_of(out: Any, args: tuple[Any, ...], flops: int) -> _Entry | None:
-    fakes = _fake_tensors(args)
+def _entry_of(out: Any, fakes: list[FakeTensor], flops: int) -> _Entry | None:
     if not fakes:  # a factory: the mode to make its outputs in is not at hand
         return None
     seen: set[int] = set()
@@ -203,9 +195,8 @@ def _entry_of(out: Any, args: tuple[Any, ...], flops: int) -> _Entry | None:
         return None
 
 
-def _made(args: tuple[Any, ...], entry: _Entry) -> Any:
+def _made(fakes: list[FakeTensor], entry: _Entry) -> Any:
     container, metas, _ = entry
-    fakes = _fake_tensors(args)
     mode = fakes[0].fake_mode
     made = []
     for meta in metas:
