@@ -147,17 +147,16 @@ def plan_blocks(
         # Unlike a graph rung's, this rung's plans are replayed in both modes: its estimate
         # prices whole blocks from one forward, and a non-reentrant plan of Hugging Face
         # BART's (capture="modules", both budgets at half the baseline) measured 9-11% above
-        # it.
-        if not prof.fake:
-            plan = planned_for(budget_bytes)
-            if config.mode == "reentrant":
-                plan = replace(plan, notes=(*plan.notes, f"{NOT_REPLAYED}: the forward does "
-                                            "not run on fake tensors, so the step was not "
-                                            "replayed"))
-        else:
-            plan = _replanned(planned_for, lambda plan: replay_blocks_peak_bytes(
-                view, prof, plan, args, kwargs, loss_fn=config.loss_fn,
-                grad_accumulation=config.grad_accumulation), budget_bytes)
+        # it. A forward fake tensors cannot run is replayed for real (NOTE [ A real replay
+        # where fake tensors cannot run ] in autockpt/replay.py).
+        plan = _replanned(planned_for, lambda plan: replay_blocks_peak_bytes(
+            view, prof, plan, args, kwargs, loss_fn=config.loss_fn,
+            grad_accumulation=config.grad_accumulation), budget_bytes, real=not prof.fake)
+        if plan.real_replay:
+            plan = replace(plan, notes=(*plan.notes, "the forward does not run on fake "
+                                        "tensors: the plan was replayed as one real training "
+                                        "step, its gradients, buffers and random streams put "
+                                        "back"))
     notes = plan.notes
     if config.cost != "flops":
         notes += (f"cost={config.cost!r} needs a graph to time; the modules rung planned by "
@@ -379,7 +378,7 @@ def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], sta
 
 
 def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Plan], int],
-               budget_bytes: int | None) -> Plan:
+               budget_bytes: int | None, *, real: bool = False) -> Plan:
     """The plan for ``budget_bytes`` whose replayed peak fits it: the model's plan for the
     budget, whose replayed peak becomes its estimate; one replayed above the budget is planned
     again under a budget lowered by the excess, and the least-memory plan is the last resort
@@ -402,7 +401,7 @@ def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Pla
                 peaks[key] = peak_of(plan)
             except Exception as err:  # noqa: BLE001 - any failure on fake tensors
                 peaks[key] = err
-        return _replayed(plan, peaks[key])
+        return _replayed(plan, peaks[key], real)
 
     if budget_bytes is None:
         return replayed(planned_for(None))
@@ -449,19 +448,21 @@ def _segments_key(plan: Plan) -> tuple[tuple[int, int, int], ...]:
     return tuple((seg.start, seg.end, seg.depth) for seg in plan.segments)
 
 
-def _replayed(plan: Plan, peak: int | Exception) -> Plan:
-    """``plan`` with its replayed peak as its estimate, or, where the replay raised, with a
-    note saying why the model's estimate stands."""
+def _replayed(plan: Plan, peak: int | Exception, real: bool = False) -> Plan:
+    """``plan`` with its replayed peak (of a step on fake tensors, or a ``real`` one) as its
+    estimate, or, where the replay raised, with a note saying why the model's estimate
+    stands."""
     if isinstance(peak, Exception):
         reason = str(peak).strip().splitlines()[0] if str(peak).strip() else ""
         return replace(plan, notes=(
-            *plan.notes, f"{NOT_REPLAYED}: replaying the step on fake tensors raised "
+            *plan.notes, f"{NOT_REPLAYED}: replaying the step "
+            f"{'as a real step' if real else 'on fake tensors'} raised "
             f"{type(peak).__name__}" + (f" ({reason[:200]})" if reason else "")))
     # A least-memory plan's replay is the least reachable; :func:`_replanned` sets it for a
     # plan with a budget.
     least = peak if plan.budget_bytes is None else plan.min_peak_bytes
     return replace(plan, estimated_peak_bytes=peak, min_peak_bytes=least, estimate="replay",
-                   modelled_peak_bytes=plan.estimated_peak_bytes)
+                   modelled_peak_bytes=plan.estimated_peak_bytes, real_replay=real)
 
 
 def _lowered(plan: Plan, budget_bytes: int, note: str) -> Plan:

@@ -165,7 +165,12 @@ class Plan:
     estimate: str = "model"
     """How :attr:`estimated_peak_bytes` was found: ``"model"``, by the memory model that
     chose the segments, or ``"replay"``, by running the plan's step on fake tensors (reentrant
-    mode; NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.replay`)."""
+    mode; NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.replay`), or for real
+    (:attr:`real_replay`)."""
+    real_replay: bool = False
+    """Where :attr:`estimate` is ``"replay"``: the step was run for real, not on fake tensors
+    (the ``"modules"`` rung, for a forward fake tensors cannot run; NOTE [ A real replay where
+    fake tensors cannot run ] in :mod:`autockpt.replay`)."""
     modelled_peak_bytes: int | None = None
     """Where :attr:`estimate` is ``"replay"``: the memory model's estimate of the plan's peak,
     by which the search chose it; ``None`` where :attr:`estimated_peak_bytes` is that."""

@@ -88,7 +88,7 @@ def plan_summary(plan: Plan) -> list[str]:
         f"  baseline peak   {format_bytes(plan.baseline_peak_bytes)} (no checkpointing)",
         f"  estimated peak  {format_bytes(plan.estimated_peak_bytes)}"
         f" (least reachable {format_bytes(plan.min_peak_bytes)}"
-        f"{'; the step replayed on fake tensors' if plan.estimate == 'replay' else ''})",
+        f"{_replayed(plan)})",
         f"  budget          {budget}",
         f"  recompute       {format_flops(plan.recompute_flops)} ({ratio})",
         f"  segments        {len(plan.segments)} checkpointed{nested}, "
@@ -117,6 +117,13 @@ def plan_summary(plan: Plan) -> list[str]:
         if plan.capture_reason:
             header.append(f"    because {plan.capture_reason}")
     return header + [f"  note: {note}" for note in plan.notes]
+
+
+def _replayed(plan: Plan) -> str:
+    if plan.estimate != "replay":
+        return ""
+    return "; the step replayed for real" if plan.real_replay else \
+        "; the step replayed on fake tensors"
 
 
 def loss_summary(plan: Plan) -> str:

@@ -196,14 +196,25 @@ def test_the_modules_rung_replays_its_plan_with_the_users_loss(mode: str) -> Non
     assert plan.estimated_peak_bytes == measured
 
 
+@pytest.mark.parametrize("fake", [True, False], ids=["fake", "real"])
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
-def test_the_modules_rung_meets_half_the_baseline_on_hugging_face_bart(mode: str) -> None:
+def test_the_modules_rung_meets_half_the_baseline_on_hugging_face_bart(
+        mode: str, fake: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Hugging Face BART through the modules rung (as under torch 2.11, whose export fails on
     its LayerDrop): at half the measured peak without checkpointing, its own loss, the step
     measures within the budget. A non-reentrant plan priced by the rung's model alone
-    measured 11% above its estimate here (and 10% above its budget on an H100)."""
+    measured 11% above its estimate here (and 10% above its budget on an H100). ``real``:
+    as with the transformers of torch 2.11's day, whose LayerDrop draws a number and compares
+    it in Python, the forward does not run on fake tensors and the plan is replayed as a real
+    step."""
     pytest.importorskip("transformers")
     from tests import skip_models
+
+    if not fake:
+        def refused(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("data-dependent: LayerDrop compares torch.rand([]) in Python")
+
+        monkeypatch.setattr(modules, "_run_fake", refused)
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
@@ -221,11 +232,87 @@ def test_the_modules_rung_meets_half_the_baseline_on_hugging_face_bart(mode: str
     plan = autockpt.plan(model, (), example_kwargs=kwargs, mode=mode, capture="modules",
                          budget_mb=budget_mb, loss_fn=own_loss)
     assert plan.capture == "modules" and plan.segments and plan.estimate == "replay"
+    assert plan.real_replay != fake
+    assert fake != any("replayed as one real training step" in n for n in plan.notes)
     with contextlib.redirect_stdout(io.StringIO()):
         transformed = autockpt.apply(model, plan=plan, example_kwargs=kwargs)
     measured = autockpt.measure(transformed, (), example_kwargs=kwargs,
                                 loss_fn=own_loss).peak_activation_bytes
     assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
+    if not fake:
+        assert measured == plan.estimated_peak_bytes
+
+
+class _LooksAtValues(torch.nn.Module):
+    """Blocks with BatchNorm and dropout behind a branch on a value, which fake tensors cannot
+    take: the modules rung profiles it on a real forward."""
+
+    def __init__(self, width: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4 * width),
+                                torch.nn.BatchNorm1d(4 * width), torch.nn.GELU(),
+                                torch.nn.Dropout(0.1), torch.nn.Linear(4 * width, width))
+            for _ in range(6))
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if x.abs().mean() > 1e3:
+                x = x / 1e3
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_a_forward_fake_tensors_cannot_run_is_replayed_as_a_real_step(mode: str) -> None:
+    """NOTE [ A real replay where fake tensors cannot run ] in autockpt/replay.py: the plan's
+    estimate is its real step's tracked peak, the budget is met, and planning leaves the
+    parameters, their gradients, BatchNorm's statistics and the random stream as they were."""
+    torch.manual_seed(0)
+    model = _LooksAtValues().train()
+    x = torch.randn(64, 64)
+    target = torch.randint(0, 10, (64,))
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits, target)
+
+    baseline = autockpt.measure(model, (x,), loss_fn=loss_fn).peak_activation_bytes
+    model.head.weight.grad = torch.ones_like(model.head.weight)
+    grad = model.head.weight.grad
+    values = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    torch.manual_seed(7)
+    plan = autockpt.plan(model, (x,), mode=mode, budget_mb=baseline / 2 / 2**20,
+                         loss_fn=loss_fn)
+    after_plan = torch.rand(4)
+    torch.manual_seed(7)
+    torch.testing.assert_close(after_plan, torch.rand(4), rtol=0, atol=0)
+    assert model.head.weight.grad is grad and torch.equal(grad, torch.ones_like(grad))
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "head.weight")
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, values[name], rtol=0, atol=0, msg=name)
+
+    assert plan.capture == "modules" and plan.segments and plan.estimate == "replay", plan.notes
+    assert plan.real_replay and "; the step replayed for real)" in str(plan)
+    assert any("replayed as one real training step" in note for note in plan.notes), plan.notes
+    with contextlib.redirect_stdout(io.StringIO()):
+        transformed = autockpt.apply(model, plan=plan, example_inputs=(x,))
+    model.head.weight.grad = None
+    measured = autockpt.measure(transformed, (x,), loss_fn=loss_fn).peak_activation_bytes
+    assert measured == plan.estimated_peak_bytes <= plan.budget_bytes
+
+
+def test_a_real_replay_that_fails_keeps_the_models_estimate_and_says_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(*args: object, **kwargs: object) -> int:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(pipeline, "replay_blocks_peak_bytes", fails)
+    torch.manual_seed(0)
+    plan = autockpt.plan(_LooksAtValues().train(), (torch.randn(64, 64),), mode="reentrant")
+    assert plan.capture == "modules" and plan.estimate == "model"
+    assert any(note.endswith("replaying the step as a real step raised RuntimeError (out of "
+                             "memory)") for note in plan.notes), plan.notes
 
 
 def test_a_modules_replay_puts_back_the_blocks_the_running_plan_chose() -> None:
