@@ -962,6 +962,10 @@ class BlockSpec:
     requires grad); one without runs plainly, as checkpoint would save nothing."""
 
 
+_TENSOR = object()
+"""Where a block's output structure had a tensor (see :func:`_run_block`)."""
+
+
 def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
     """Run ``block``'s own forward under checkpoint (:func:`autockpt.runner.run_checkpointed`).
@@ -985,7 +989,12 @@ def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
         call_args, call_kwargs = tree_unflatten(values, tree)
         out_leaves, out_tree = tree_flatten(base_forward(block, *call_args, **call_kwargs))
         if not first:
-            first["leaves"], first["tree"] = out_leaves, out_tree
+            # Only the structure: checkpoint keeps ``fn`` until backward, and an output
+            # tensor kept here would outlive the caller's use of it (a Hugging Face block's
+            # attention weights, which its stack drops at once, were held until backward).
+            first["leaves"] = [_TENSOR if isinstance(v, torch.Tensor) else v
+                               for v in out_leaves]
+            first["tree"] = out_tree
         return tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
 
     run = SegmentRun(module=block, segment=None, block=spec.qualname, mode=spec.mode,
@@ -993,7 +1002,7 @@ def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
     result = run_checkpointed(run, fn, tensors, preserve_rng=spec.preserve_rng,
                               buffers=spec.buffers)
     outputs = iter(result)
-    rebuilt = [next(outputs) if isinstance(v, torch.Tensor) else v for v in first["leaves"]]
+    rebuilt = [next(outputs) if v is _TENSOR else v for v in first["leaves"]]
     return tree_unflatten(rebuilt, first["tree"])
 
 

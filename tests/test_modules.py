@@ -9,7 +9,9 @@ budget; and the FLOP count must show the recompute when blocks are checkpointed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -381,3 +383,54 @@ def test_reinstall_retargets_and_deepcopy_works() -> None:
     assert is_installed(clone) == ("blocks.3",)
     _loss(clone(*args)).backward()
     assert all(p.grad is not None for p in clone.parameters())
+
+
+class _ScoringBlock(nn.Module):
+    """Returns its output and a wide tensor of scores, as a Hugging Face layer returns its
+    attention weights beside its hidden states."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 8 * width)
+        self.down = nn.Linear(8 * width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(self.up(x), dim=-1)
+        return x + self.down(scores), scores
+
+
+class _DropsScores(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 6,
+                 checkpointed: str | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScoringBlock(width) for _ in range(depth))
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.checkpointed is None:
+                x, _ = block(x)
+            else:
+                x, _ = torch.utils.checkpoint.checkpoint(
+                    block, x, use_reentrant=self.checkpointed == "reentrant")
+        return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_blocks_outputs_the_caller_drops_are_freed(mode: str) -> None:
+    """The checkpointed block keeps the structure of its first output, never the tensors:
+    its closure lives until backward, and each block's scores, which the caller drops at once,
+    were held by it until then (LongT5's least memory fell from 45% to 36% of its baseline)."""
+    x = torch.randn(64, 32, requires_grad=True)
+    torch.manual_seed(0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        ours = autockpt.apply(_DropsScores(), None, example_inputs=(x,), mode=mode,
+                              capture="modules")
+    assert len(autockpt.plan_of(ours).segments) > 0
+    torch.manual_seed(0)
+    by_hand = _DropsScores(checkpointed=mode)
+    assert_same_step(train_step(ours, _loss, (x,), seed=1),
+                     train_step(by_hand, _loss, (x,), seed=1))
+    # Every block checkpointed by hand: ours, at its least memory, holds no more.
+    assert (autockpt.measure(ours, (x,)).peak_activation_bytes
+            <= autockpt.measure(by_hand, (x,)).peak_activation_bytes)
