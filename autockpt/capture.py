@@ -102,6 +102,21 @@ def capture(
         TraceError: ``method`` names a graph rung and it failed (``"auto"`` never raises it
             for an untraceable model: it ends at ``"modules"``).
     """
+    # torch.fx calls a random op with no traced argument for real (``torch.rand([])`` in
+    # LayerDrop): the draws of a capture are not the user's.
+    devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers(),
+                                                    *_tensors((args, kwargs))]
+                      if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        return _capture(module, args, kwargs, method, keep_whole)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], method: str,
+             keep_whole: Sequence[str]) -> TracedModel | NoGraph:
     reasons: list[str] = []
     fx_failure: TraceError | None = None
     rungs = RUNGS if method == "auto" else (method,)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autockpt.errors import InvalidArgumentError, TraceError
 
@@ -297,6 +298,29 @@ def _functions_as_calls(tracer: fx.Tracer) -> contextlib.AbstractContextManager[
     return _apply_patched(apply)
 
 
+# NOTE [ A random draw while tracing ]
+# torch.fx runs an op none of whose arguments is traced for real, at trace time, and the
+# graph keeps its result. For a random op (``torch.rand([])`` deciding whether LayerDrop
+# skips a layer) that is one draw fixed for every step: the layers it skipped would be
+# skipped in training for good and the others never, silently. Such a forward is refused,
+# so the next rung takes it (torch.export traces the draw and then refuses the branch on
+# it; the modules rung runs the user's own forward). The capture's draws are not the
+# user's either: ``autockpt.capture.capture`` restores the random streams.
+
+
+class _NoRealDraw(TorchDispatchMode):
+    """Raises on a random op run for real while torch.fx traces (NOTE [ A random draw while
+    tracing ])."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise RuntimeError(
+                f"{func} drew random values at trace time, with no traced argument: the graph "
+                "would keep this one draw for every step")
+        return func(*args, **(kwargs or {}))
+
+
 def functions_applied(names: list[str]) -> contextlib.AbstractContextManager[None]:
     """Append to ``names`` the class of each autograd Function defined outside torch that
     is applied meanwhile (torch.export traces into them: NOTE [ Custom autograd Functions
@@ -349,7 +373,7 @@ def trace(
     tracer = _LeafTracer(leaves)
     try:
         view.train()
-        with _functions_as_calls(tracer):
+        with _functions_as_calls(tracer), _NoRealDraw():
             graph = tracer.trace(view, concrete_args=dict(constants) or None)
         graph_module = fx.GraphModule(view, graph, class_name=cls.__name__)
     except Exception as err:  # fx raises many kinds; all mean "not traceable"

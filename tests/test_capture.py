@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import autockpt
+from autockpt.capture import NoGraph, capture
 from autockpt.planner import BUDGET_SLACK
 from tests.helpers import (MODES, assert_same_case_step, assert_same_step, assert_same_tensors,
                            grads_of, train_step)
@@ -459,3 +460,35 @@ def test_tracing_leaves_autograd_function_apply_as_it_was() -> None:
     x = torch.randn(3, requires_grad=True)
     _TanhGelu.apply(x).sum().backward()
     assert x.grad is not None
+
+
+class _DrawsInForward(nn.Module):
+    """A random scalar with no traced argument decides a branch (Hugging Face's LayerDrop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if torch.rand([]) < 0.5:
+                continue
+            x = layer(x)
+        return x
+
+
+def test_a_random_draw_with_no_traced_argument_is_not_kept_in_an_fx_graph() -> None:
+    """NOTE [ A random draw while tracing ] in autockpt/trace.py: torch.fx traced the
+    branches of one draw into the graph, which then skipped the same layers in every step.
+    Refused, and the random stream left as it was by every rung tried."""
+    model = _DrawsInForward()
+    x = torch.randn(4, 8)
+    with pytest.raises(autockpt.TraceError, match="aten.rand.default drew random values at "
+                                                  "trace time"):
+        capture(model, (x,), {}, "fx")
+    torch.manual_seed(3)
+    traced = capture(model, (x,), {})
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    torch.testing.assert_close(after, torch.rand(3), rtol=0, atol=0)
+    assert isinstance(traced, NoGraph)
