@@ -77,6 +77,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autockpt.errors import AutockptError, InvalidArgumentError
@@ -340,7 +341,8 @@ def profile_modules(module: nn.Module, args: tuple[Any, ...] = (),
     and buffers swapped in by ``torch.func.functional_call``): no memory, no buffer update,
     no RNG draw. A forward that fake tensors cannot run (``if x.sum() > 0:`` needs a value)
     runs for real instead, under ``torch.random.fork_rng`` and with the buffers restored
-    afterwards; :attr:`ModuleProfile.fake` is then False and a note says why.
+    afterwards, and with no layer dropped at random (NOTE [ A random scalar in a real
+    forward ]); :attr:`ModuleProfile.fake` is then False and a note says why.
 
     Example:
         >>> import torch
@@ -417,7 +419,7 @@ def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     session = _Session(module, set(old), buffer_names)
     _note_inputs(session, (args, kwargs))
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), no_layer_dropped():
             output = session.run(lambda: module(*args, **kwargs))
     except Exception as err:
         raise InvalidArgumentError(
@@ -430,6 +432,36 @@ def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             for buf, value in buffers:
                 buf.copy_(value)
     return session, output
+
+
+# NOTE [ A random scalar in a real forward ]
+# LayerDrop (Hugging Face's M2M100, NLLB, older BART) draws ``torch.rand([])`` in forward and
+# skips the layer when it is below the drop probability. Fake tensors cannot compare it, so
+# such a model's blocks are found on one real forward; a layer that forward skipped was never
+# a block, never checkpointed, and the steps that run it (most of them) measured 52% of the
+# baseline where one that checkpoints every layer measures 36% (M2M100, 2 + 2 layers, 5%).
+# So in the real forwards autockpt runs to plan (this profile, and the replay of
+# ``autockpt.replay``), a scalar drawn by ``aten.rand`` is the largest value below 1: every
+# layer runs, and the plan prices the step that keeps them all, the most a step can take.
+# The draw itself still runs, so the random stream advances as it would, and is restored
+# afterwards in any case.
+
+
+class _NoLayerDropped(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.rand.default and isinstance(out, torch.Tensor) \
+                and out.dim() == 0 and out.is_floating_point():
+            one = torch.ones((), dtype=out.dtype, device=out.device)
+            out.copy_(torch.nextafter(one, torch.zeros_like(one)))
+        return out
+
+
+def no_layer_dropped() -> contextlib.AbstractContextManager[Any]:
+    """Random scalars drawn by ``torch.rand([])`` are the largest value below 1 (NOTE [ A
+    random scalar in a real forward ])."""
+    return _NoLayerDropped()
 
 
 # --------------------------------------------------------------------------- the chain

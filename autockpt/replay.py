@@ -62,7 +62,7 @@ from autockpt.instrument import (Op, OpObserver, OpWatch, is_fake, map_tensors, 
                                  tensors, widen_reduced_loss)
 from autockpt.loss import LossFn, planned_loss
 from autockpt.measure import PreservedState, make_step
-from autockpt.modules import ModuleProfile, installed
+from autockpt.modules import ModuleProfile, installed, no_layer_dropped
 from autockpt.planner import Plan
 from autockpt.rewrite import RUN_METHOD, compile_onto
 from autockpt.runner import run_segment, unobserved
@@ -214,7 +214,8 @@ def _real_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     """The tracked peak of one real step of ``model``, everything it changes put back."""
     step = make_step(model, args, kwargs, loss_fn if loss_fn is not None else planned_loss,
                      grad_accumulation=grad_accumulation)
-    with PreservedState(model, step.grad_leaves, step.device), unobserved():
+    with PreservedState(model, step.grad_leaves, step.device), unobserved(), \
+            no_layer_dropped():
         result = step.run(track=True)
     assert result.tracker is not None
     return int(result.tracker.peak_bytes)

@@ -434,3 +434,46 @@ def test_a_blocks_outputs_the_caller_drops_are_freed(mode: str) -> None:
     # Every block checkpointed by hand: ours, at its least memory, holds no more.
     assert (autockpt.measure(ours, (x,)).peak_activation_bytes
             <= autockpt.measure(by_hand, (x,)).peak_activation_bytes)
+
+
+class _LayerDrop(nn.Module):
+    """Skips each layer with probability 0.5 in training, as Hugging Face's LayerDrop does:
+    ``torch.rand([])`` compared in Python, which fake tensors cannot run."""
+
+    def __init__(self, width: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ResidualMLP(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([]) < 0.5:
+                continue
+            x = layer(x)
+        return x
+
+
+def test_a_layer_dropped_at_random_is_still_planned_and_priced() -> None:
+    """NOTE [ A random scalar in a real forward ]: whatever the random stream, every layer is
+    a block and the estimate is the step that keeps them all, the most any step takes; the
+    stream is left where it was. (torch.fx would keep the branches its trace drew: NOTE
+    [ A random draw while tracing ] in autockpt/trace.py.)"""
+    torch.manual_seed(0)
+    model = _LayerDrop()
+    x = torch.randn(64, 32, requires_grad=True)  # a step that drops every layer has a backward
+    for seed in range(3):
+        torch.manual_seed(seed)
+        prof = profile_modules(model, (x,))
+        assert prof.blocks == tuple(f"layers.{i}" for i in range(6)) and not prof.fake
+        torch.manual_seed(seed)
+        plan = autockpt.plan(model, (x,), mode="non_reentrant")
+        after_plan = torch.rand(3)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(after_plan, torch.rand(3), rtol=0, atol=0)
+    assert plan.capture == "modules" and plan.real_replay and len(plan.segments) >= 5
+    with contextlib.redirect_stdout(io.StringIO()):
+        transformed = autockpt.apply(model, plan=plan, example_inputs=(x,))
+    peaks = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        peaks.append(autockpt.measure(transformed, (x,)).peak_activation_bytes)
+    assert max(peaks) <= plan.estimated_peak_bytes and len(set(peaks)) > 1

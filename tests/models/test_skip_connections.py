@@ -127,10 +127,10 @@ CASES = (
              strictly_fewer=False),
     SkipCase("hf_bart", "transformers", _seeded(bart), _seq2seq_inputs, None, _hf_switch,
              strictly_fewer=False),
-    # LayerDrop skips layers at random: the one forward the modules rung profiles and the
-    # step measured do not run the same layers, so its estimate is only close.
+    # LayerDrop skips layers at random: the modules rung plans and prices the step that
+    # keeps every layer (NOTE [ A random scalar in a real forward ] in autockpt/modules.py).
     SkipCase("hf_m2m100", "transformers", _seeded(m2m100), _seq2seq_inputs, None, _hf_switch,
-             strictly_fewer=False, under_estimate=0.05),
+             strictly_fewer=False),
     SkipCase("hf_whisper", "transformers", _seeded(whisper), _audio_inputs, None, _hf_switch,
              strictly_fewer=False),
 )
@@ -149,7 +149,10 @@ def _apply(case: SkipCase, budget_bytes: int | None, mode: str) -> nn.Module:
 
 
 def _peak(case: SkipCase, model: nn.Module) -> int:
+    """The measured peak of one step, at the same seed for every model compared: a model
+    whose forward draws (LayerDrop) then takes the same branches in each."""
     args, kwargs = case.inputs()
+    torch.manual_seed(STEP_SEED)
     return autockpt.measure(model, args, example_kwargs=kwargs,
                             loss_fn=case.loss_fn).peak_activation_bytes
 
