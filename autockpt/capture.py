@@ -44,7 +44,7 @@ from torch import nn
 
 from autockpt.errors import AutockptError, TraceError
 from autockpt.trace import (TraceSpec, TracedModel, base_class, bind_inputs, functions_applied,
-                            has_attr_path, shallow_view, trace)
+                            functions_called, has_attr_path, shallow_view, trace)
 from autockpt.units import format_names
 
 __all__ = ["CAPTURES", "RUNGS", "NoGraph", "capture", "export_trace", "has_hooks",
@@ -339,6 +339,7 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             if node.op == "call_module" and str(node.target) == "_guards_fn" \
                     and not node.users:
                 graph.erase_node(node)
+    functions_called(graph)
     # Export reads parameters (get_attr) before the inputs; the planner expects the inputs
     # first, as fx puts them, so that no segment can start before an input exists.
     first = next(iter(graph.nodes))

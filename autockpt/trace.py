@@ -17,7 +17,14 @@ plan put the graph's baseline at 2.5x the model's measured peak, and the least p
 ``call_function`` node that calls the real ``apply``, so the rewritten model runs the user's
 Function, its forward and its backward. Functions defined in torch itself, and calls with an
 argument the graph cannot hold as a constant (a Python function, a module), are traced into as
-before. torch.export has no such switch: it inlines them (the plan says so).
+before. torch.export has no such switch and inlines every Function it meets; so while it
+traces, a Function applied to tensors only is replaced by an operator of its own
+(``autockpt_function::f<k>(Tensor[] args) -> Tensor[]``, :func:`_operator_of`), which export
+records as one node whose fake kernel runs the real ``apply`` on fake tensors for the output
+shapes, and :func:`functions_called` then makes that node call the real ``apply`` (BLOOM, whose
+root fx cannot trace: least memory 65% -> 49% of its baseline). One with another argument (a
+number, a flag) or output, which the operator's schema cannot carry, is still inlined by
+export, and the plan says so.
 
 # NOTE [ Trace in train mode ]
 fx bakes Python-level ``if self.training:`` branches into the graph. A graph traced in eval
@@ -244,6 +251,8 @@ def _user_function(cls: type) -> bool:
     return cls.__module__.split(".")[0] not in ("torch", "autockpt")
 
 
+_TORCH_APPLY = inspect.getattr_static(torch.autograd.Function, "apply")
+"""torch's own ``Function.apply``, taken before any patch (:func:`_apply_patched`)."""
 _CALLS: dict[type, Callable[..., Any]] = {}
 _CALLS_LOCK = threading.Lock()
 
@@ -253,7 +262,7 @@ def _function_call(cls: type) -> Callable[..., Any]:
     nodes (fx names a target by its module and name, which ``apply`` of a C base lacks)."""
     with _CALLS_LOCK:
         if cls not in _CALLS:
-            apply = inspect.getattr_static(torch.autograd.Function, "apply").__get__(None, cls)
+            apply = _TORCH_APPLY.__get__(None, cls)
 
             def call(*args: Any, **kwargs: Any) -> Any:
                 return apply(*args, **kwargs)
@@ -322,16 +331,93 @@ class _NoRealDraw(TorchDispatchMode):
 
 
 def functions_applied(names: list[str]) -> contextlib.AbstractContextManager[None]:
-    """Append to ``names`` the class of each autograd Function defined outside torch that
-    is applied meanwhile (torch.export traces into them: NOTE [ Custom autograd Functions
-    stay whole ])."""
+    """While torch.export traces: each autograd Function defined outside torch that is
+    applied to tensors only becomes one call of an operator of its own, which export keeps
+    whole and :func:`functions_called` turns into a call of the real ``apply`` (NOTE
+    [ Custom autograd Functions stay whole ]); the class of any other is appended to
+    ``names``, as export traces into it."""
 
     def apply(cls: type, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if _user_function(cls) and cls.__qualname__ not in names:
+        if not _user_function(cls):
+            return real(*args, **kwargs)
+        if not kwargs and args and all(isinstance(a, torch.Tensor) for a in args):
+            try:
+                outputs = _operator_of(cls)(list(args))
+            except _NotOnlyTensors:
+                pass
+            else:
+                return outputs[0] if _SINGLE_OUTPUT[cls] else tuple(outputs)
+        if cls.__qualname__ not in names:
             names.append(cls.__qualname__)
         return real(*args, **kwargs)
 
     return _apply_patched(apply)
+
+
+class _NotOnlyTensors(Exception):
+    """A Function returned something other than tensors: it cannot be an operator."""
+
+
+_LIBRARY: torch.library.Library | None = None
+_OPERATORS: dict[type, Any] = {}
+_CLASSES: dict[Any, type] = {}
+_SINGLE_OUTPUT: dict[type, bool] = {}
+
+
+def _operator_of(cls: type) -> Any:
+    """The operator ``autockpt_function::f<k>(Tensor[] args) -> Tensor[]`` standing for
+    ``cls.apply`` while torch.export traces, made once per class. Its kernels run the real
+    ``apply`` (on fake tensors, for export) and return copies of its outputs, as an operator
+    may not return its inputs."""
+    global _LIBRARY
+    with _CALLS_LOCK:
+        if cls not in _OPERATORS:
+            if _LIBRARY is None:
+                _LIBRARY = torch.library.Library("autockpt_function", "FRAGMENT")
+            name = f"f{len(_OPERATORS)}"
+            _LIBRARY.define(f"{name}(Tensor[] args) -> Tensor[]")
+            apply = _TORCH_APPLY.__get__(None, cls)
+
+            def kernel(args: list[torch.Tensor]) -> list[torch.Tensor]:
+                out = apply(*args)
+                outputs = out if isinstance(out, tuple) else (out,)
+                if not all(isinstance(o, torch.Tensor) for o in outputs):
+                    raise _NotOnlyTensors(cls.__qualname__)
+                _SINGLE_OUTPUT[cls] = not isinstance(out, tuple)
+                return [o.detach().clone() for o in outputs]
+
+            _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"autockpt_function::{name}", kernel, lib=_LIBRARY)
+            operator = getattr(torch.ops.autockpt_function, name).default
+            _OPERATORS[cls], _CLASSES[operator] = operator, cls
+        return _OPERATORS[cls]
+
+
+def functions_called(graph: fx.Graph) -> None:
+    """Make each node of an operator of :func:`functions_applied` call the real ``apply`` of
+    its Function, with the same arguments, returning its outputs as a tuple (the graph reads
+    them with ``getitem``)."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _CLASSES:
+            node.target = _function_outputs(_CLASSES[node.target])
+            node.args = tuple(node.args[0])
+
+
+_OUTPUTS: dict[type, Callable[..., Any]] = {}
+
+
+def _function_outputs(cls: type) -> Callable[..., Any]:
+    """A plain function calling ``cls.apply`` and returning its outputs as a tuple."""
+    call = _function_call(cls)
+    with _CALLS_LOCK:
+        if cls not in _OUTPUTS:
+            def outputs(*args: Any) -> tuple[Any, ...]:
+                out = call(*args)
+                return out if isinstance(out, tuple) else (out,)
+
+            outputs.__name__ = outputs.__qualname__ = f"{cls.__name__}_outputs"
+            _OUTPUTS[cls] = outputs
+        return _OUTPUTS[cls]
 
 
 def trace(

@@ -398,13 +398,14 @@ class _GeluMLP(nn.Module):
         return x + self.down(_TanhGelu.apply(self.up(x)))
 
 
+@pytest.mark.parametrize("rung", ["fx", "export"])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_custom_autograd_function_stays_whole(mode: str) -> None:
+def test_a_custom_autograd_function_stays_whole(mode: str, rung: str) -> None:
     """NOTE [ Custom autograd Functions stay whole ] in autockpt/trace.py: traced into, the
     Function's eight elementwise ops each saved a tensor for autograd's backward, and the
     plan put the graph's baseline at 2.5x the model's measured peak. Kept as
-    one call, the graph's baseline is the model's, and training runs the Function's own
-    backward, with the same gradients."""
+    one call, by torch.fx and by torch.export, the graph's baseline is the model's, and
+    training runs the Function's own backward, with the same gradients."""
     torch.manual_seed(0)
     model = nn.Sequential(*[_GeluMLP() for _ in range(4)])
     x = torch.randn(256, 16)
@@ -413,11 +414,12 @@ def test_a_custom_autograd_function_stays_whole(mode: str) -> None:
         return torch.nn.functional.cross_entropy(out, torch.arange(256) % 16)
 
     own = autockpt.measure(model, (x,), loss_fn=loss_fn).peak_activation_bytes
-    plan = autockpt.plan(model, (x,), loss_fn=loss_fn, mode=mode, capture="fx")
+    plan = autockpt.plan(model, (x,), loss_fn=loss_fn, mode=mode, capture=rung)
     assert abs(plan.baseline_peak_bytes - own) <= 0.01 * own, (plan.baseline_peak_bytes, own)
+    assert not any("_TanhGelu" in note for note in plan.notes), plan.notes
     with contextlib.redirect_stdout(io.StringIO()):
         transformed = autockpt.apply(model, None, example_inputs=(x,), loss_fn=loss_fn,
-                                     mode=mode, capture="fx")
+                                     mode=mode, capture=rung)
     least = autockpt.plan_of(transformed)
     assert least.segments
     measured = autockpt.measure(transformed, (x,), loss_fn=loss_fn).peak_activation_bytes
@@ -429,17 +431,35 @@ def test_a_custom_autograd_function_stays_whole(mode: str) -> None:
     assert _TanhGelu.backward_calls >= calls + 8  # its own backward, in both
 
 
+class _ScaledTanhGelu(torch.autograd.Function):
+    """A Function with a Python number among its arguments."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return _TanhGelu.apply(x) * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class _ScaledGeluMLP(_GeluMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(_ScaledTanhGelu.apply(self.up(x), 2.0))
+
+
 def test_the_plan_says_when_export_traced_into_a_custom_function() -> None:
-    """torch.export has no switch to keep an autograd Function whole: the plan says that it
-    traced into one, and what keeps it whole."""
+    """torch.export keeps a Function applied to tensors only whole; one with a Python value
+    among its arguments is traced into, and the plan says so, and what keeps it whole."""
     torch.manual_seed(0)
-    model = nn.Sequential(_GeluMLP(), _GeluMLP())
+    model = nn.Sequential(_ScaledGeluMLP(), _ScaledGeluMLP())
     exported = autockpt.plan(model, (torch.randn(8, 16),), capture="export")
-    assert any("_TanhGelu" in note and "capture='fx'" in note for note in exported.notes), (
-        exported.notes)
-    traced = autockpt.plan(model, (torch.randn(8, 16),), capture="fx")
-    assert not any("_TanhGelu" in note for note in traced.notes)
-    assert "_TanhGelu" in str(exported)
+    assert any("_ScaledTanhGelu" in note and "capture='fx'" in note
+               for note in exported.notes), exported.notes
+    assert "_ScaledTanhGelu" in str(exported)
+    whole = autockpt.plan(nn.Sequential(_GeluMLP()), (torch.randn(8, 16),), capture="export")
+    assert not any("Function" in note for note in whole.notes), whole.notes
 
 
 def test_tracing_leaves_autograd_function_apply_as_it_was() -> None:
