@@ -111,6 +111,51 @@ def capture(
         return _capture(module, args, kwargs, method, keep_whole)
 
 
+# NOTE [ Python's random numbers while tracing ]
+# A forward may draw with Python's ``random`` or numpy's global generator: Wav2Vec2's adapter
+# and MusicGen decide LayerDrop with ``np.random.random()`` / ``random.uniform(0, 1)``, and
+# SpecAugment picks the time steps it masks with ``np.random``. torch.fx and torch.export run
+# that Python once, at trace time, and the graph keeps its outcome: the same layers skipped
+# and the same steps masked in every training step, silently. So a rung after which either
+# generator has moved is refused (the modules rung runs the user's own forward), and both are
+# put back, as the user's stream is not ours to draw from. A ``numpy.random.Generator`` the
+# model owns cannot be watched this way.
+
+
+@contextlib.contextmanager
+def _no_python_draw(model_name: str) -> Iterator[None]:
+    """Refuse a capture during which Python's or numpy's global random generator moved
+    (NOTE [ Python's random numbers while tracing ])."""
+    import random
+
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        moved = [name for name, moved in (
+            ("random", random.getstate() != python_state),
+            ("numpy.random", not _same_numpy_state(np.random.get_state(), numpy_state)))
+            if moved]
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+    if moved:
+        raise TraceError(
+            f"{model_name}'s forward drew random numbers with {format_names(moved)} while it "
+            "was traced: the graph would keep that one draw for every step",
+            fix="draw with torch (torch.rand) so that the graph holds the draw, or pass "
+            "capture='modules', which runs the model's own forward",
+            model_name=model_name)
+
+
+def _same_numpy_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    import numpy as np
+
+    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+               for x, y in zip(a, b))
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -124,24 +169,26 @@ def _capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], m
         if rung == "modules":
             return NoGraph("; ".join(reasons))
         try:
-            if rung == "fx":
-                traced = trace(module, args, kwargs, leaves=keep_whole)
-                traced.capture = "fx"  # the kept modules are the user's, not failures
-            elif rung == "export":
-                if keep_whole:
-                    raise TraceError(
-                        f"torch.export inlines every module call, and {len(keep_whole)} must "
-                        f"stay whole ({format_names(keep_whole)})",
-                        fix="use a rung that keeps module calls: 'fx', 'fx-leaves' or "
-                        "'modules'")
-                traced = export_trace(module, args, kwargs)
-            elif fx_failure is None:
-                traced = trace_with_leaves(module, args, kwargs, leaves=keep_whole)
-            else:
-                # Go on from where the first torch.fx attempt failed instead of tracing again.
-                _give_up_if_hopeless(fx_failure, keep_whole)
-                traced = trace_with_leaves(module, args, kwargs,
-                                           leaves=[*keep_whole, str(fx_failure.module_path)])
+            with _no_python_draw(base_class(module).__name__):
+                if rung == "fx":
+                    traced = trace(module, args, kwargs, leaves=keep_whole)
+                    traced.capture = "fx"  # the kept modules are the user's, not failures
+                elif rung == "export":
+                    if keep_whole:
+                        raise TraceError(
+                            f"torch.export inlines every module call, and {len(keep_whole)} "
+                            f"must stay whole ({format_names(keep_whole)})",
+                            fix="use a rung that keeps module calls: 'fx', 'fx-leaves' or "
+                            "'modules'")
+                    traced = export_trace(module, args, kwargs)
+                elif fx_failure is None:
+                    traced = trace_with_leaves(module, args, kwargs, leaves=keep_whole)
+                else:
+                    # Go on from where the first torch.fx attempt failed instead of tracing
+                    # again.
+                    _give_up_if_hopeless(fx_failure, keep_whole)
+                    traced = trace_with_leaves(
+                        module, args, kwargs, leaves=[*keep_whole, str(fx_failure.module_path)])
             if rung == "fx-leaves":
                 _refuse_leaves_around(traced, keep_whole)
         except TraceError as err:

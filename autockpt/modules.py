@@ -74,6 +74,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -395,7 +396,7 @@ def _run_fake(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         storage_key(t) for t in tensors((fake_args, fake_kwargs))}
     session = _Session(module, set(old), buffer_names)
     _note_inputs(session, (fake_args, fake_kwargs))
-    with fake_mode:
+    with fake_mode, python_draws_high():
         output = session.run(lambda: torch.func.functional_call(
             module, fake_state, tuple(fake_args), fake_kwargs, strict=False))
     return session, output
@@ -444,7 +445,10 @@ def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 # ``autockpt.replay``), a scalar drawn by ``aten.rand`` is the largest value below 1: every
 # layer runs, and the plan prices the step that keeps them all, the most a step can take.
 # The draw itself still runs, so the random stream advances as it would, and is restored
-# afterwards in any case.
+# afterwards in any case. LayerDrop drawn with Python's ``random`` or numpy's global generator
+# (Wav2Vec2's adapter, MusicGen: ``np.random.random()``, ``random.uniform(0, 1)``) is met the
+# same way, in fake forwards too: while autockpt runs such a forward, those draws return the
+# largest value below their upper end, and both generators are put back afterwards.
 
 
 class _NoLayerDropped(TorchDispatchMode):
@@ -458,10 +462,46 @@ class _NoLayerDropped(TorchDispatchMode):
         return out
 
 
-def no_layer_dropped() -> contextlib.AbstractContextManager[Any]:
-    """Random scalars drawn by ``torch.rand([])`` are the largest value below 1 (NOTE [ A
-    random scalar in a real forward ])."""
-    return _NoLayerDropped()
+@contextlib.contextmanager
+def no_layer_dropped() -> Iterator[None]:
+    """Random scalars drawn by ``torch.rand([])``, Python's ``random`` and numpy's global
+    generator are the largest value below their upper end (NOTE [ A random scalar in a real
+    forward ])."""
+    with _NoLayerDropped(), python_draws_high():
+        yield
+
+
+_BELOW_ONE = float(np.nextafter(1.0, 0.0))
+
+
+@contextlib.contextmanager
+def python_draws_high() -> Iterator[None]:
+    """Python's and numpy's uniform draws give the largest value below their upper end
+    meanwhile; both generators are put back afterwards (NOTE [ A random scalar in a real
+    forward ])."""
+    import random
+
+    def high(low: float = 0.0, high: float = 1.0, size: Any = None) -> Any:
+        top = float(np.nextafter(max(low, high), min(low, high)))
+        return top if size is None else np.full(size, top)
+
+    patches = [(random, "random", lambda: _BELOW_ONE),
+               (random, "uniform", lambda a, b: float(np.nextafter(max(a, b), min(a, b)))),
+               (np.random, "random", lambda size=None: high(size=size)),
+               (np.random, "random_sample", lambda size=None: high(size=size)),
+               (np.random, "rand", lambda *shape: high(size=shape or None)),
+               (np.random, "uniform", high)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 # --------------------------------------------------------------------------- the chain

@@ -62,7 +62,7 @@ from autockpt.instrument import (Op, OpObserver, OpWatch, is_fake, map_tensors, 
                                  tensors, widen_reduced_loss)
 from autockpt.loss import LossFn, planned_loss
 from autockpt.measure import PreservedState, make_step
-from autockpt.modules import ModuleProfile, installed, no_layer_dropped
+from autockpt.modules import ModuleProfile, installed, no_layer_dropped, python_draws_high
 from autockpt.planner import Plan
 from autockpt.rewrite import RUN_METHOD, compile_onto
 from autockpt.runner import run_segment, unobserved
@@ -243,7 +243,7 @@ def _fake_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         # decompositions (normalisations, activation backwards) with the same outputs, and
         # the memo the ops the profile or the step already ran (the recomputations).
         watch = OpWatch(_Widen(), SHAPE_RULES, memo=SHARED)
-        with torch.random.fork_rng(devices=[]), unobserved(), watch:
+        with torch.random.fork_rng(devices=[]), unobserved(), watch, python_draws_high():
             return int(run_with_state(model, state, tracked, ()))
 
 

@@ -512,3 +512,49 @@ def test_a_random_draw_with_no_traced_argument_is_not_kept_in_an_fx_graph() -> N
     torch.manual_seed(3)
     torch.testing.assert_close(after, torch.rand(3), rtol=0, atol=0)
     assert isinstance(traced, NoGraph)
+
+
+class _DrawsInPython(nn.Module):
+    """LayerDrop decided with numpy's global generator (Wav2Vec2's adapter) or Python's."""
+
+    def __init__(self, draw: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.draw = draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        for layer in self.layers:
+            value = np.random.random() if self.draw == "numpy" else random.random()
+            if value < 0.5:
+                continue
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("draw", ["numpy", "python"])
+def test_a_draw_with_pythons_random_numbers_is_not_kept_in_a_graph(draw: str) -> None:
+    """NOTE [ Python's random numbers while tracing ] in autockpt/capture.py: fx and export
+    ran the draw once and kept its branches; both are refused, the modules rung is left,
+    and the generators are where they were."""
+    import random
+
+    import numpy as np
+
+    model = _DrawsInPython(draw)
+    x = torch.randn(4, 8)
+    name = "numpy.random" if draw == "numpy" else "random"
+    for rung in ("fx", "export"):
+        with pytest.raises(autockpt.TraceError, match=f"drew random numbers with {name} "
+                                                      "while it was traced"):
+            capture(model, (x,), {}, rung)
+    np.random.seed(3)
+    random.seed(3)
+    assert isinstance(capture(model, (x,), {}), NoGraph)
+    after = (np.random.random(), random.random())
+    np.random.seed(3)
+    random.seed(3)
+    assert after == (np.random.random(), random.random())

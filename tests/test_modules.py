@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import random
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -437,43 +439,65 @@ def test_a_blocks_outputs_the_caller_drops_are_freed(mode: str) -> None:
 
 
 class _LayerDrop(nn.Module):
-    """Skips each layer with probability 0.5 in training, as Hugging Face's LayerDrop does:
-    ``torch.rand([])`` compared in Python, which fake tensors cannot run."""
+    """Skips each layer with probability 0.5 in training, as LayerDrop does: Hugging Face's
+    M2M100 with ``torch.rand([])`` compared in Python (which fake tensors cannot run),
+    Wav2Vec2's adapter with ``np.random.random()``, MusicGen with ``random.uniform(0, 1)``."""
 
-    def __init__(self, width: int = 32, depth: int = 6) -> None:
+    def __init__(self, draw: str = "torch", width: int = 32, depth: int = 6) -> None:
         super().__init__()
         self.layers = nn.ModuleList(ResidualMLP(width) for _ in range(depth))
+        self.draw = draw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            if self.training and torch.rand([]) < 0.5:
+            if self.draw == "torch":
+                skip = bool(torch.rand([]) < 0.5)
+            elif self.draw == "numpy":
+                skip = np.random.random() < 0.5
+            else:
+                skip = random.uniform(0, 1) < 0.5
+            if self.training and skip:
                 continue
             x = layer(x)
         return x
 
 
-def test_a_layer_dropped_at_random_is_still_planned_and_priced() -> None:
-    """NOTE [ A random scalar in a real forward ]: whatever the random stream, every layer is
-    a block and the estimate is the step that keeps them all, the most any step takes; the
-    stream is left where it was. (torch.fx would keep the branches its trace drew: NOTE
-    [ A random draw while tracing ] in autockpt/trace.py.)"""
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _draws() -> tuple[torch.Tensor, float, float]:
+    return torch.rand(3), float(np.random.random()), random.random()
+
+
+@pytest.mark.parametrize("draw", ["torch", "numpy", "python"])
+def test_a_layer_dropped_at_random_is_still_planned_and_priced(draw: str) -> None:
+    """NOTE [ A random scalar in a real forward ]: whatever the random streams, every layer
+    is a block and the estimate is the step that keeps them all, the most any step takes;
+    the streams are left where they were. (A graph would keep the branches its trace drew:
+    NOTE [ A random draw while tracing ] in autockpt/trace.py, NOTE [ Python's random numbers
+    while tracing ] in autockpt/capture.py.)"""
     torch.manual_seed(0)
-    model = _LayerDrop()
+    model = _LayerDrop(draw)
     x = torch.randn(64, 32, requires_grad=True)  # a step that drops every layer has a backward
     for seed in range(3):
-        torch.manual_seed(seed)
+        _seed_all(seed)
         prof = profile_modules(model, (x,))
-        assert prof.blocks == tuple(f"layers.{i}" for i in range(6)) and not prof.fake
-        torch.manual_seed(seed)
+        assert prof.blocks == tuple(f"layers.{i}" for i in range(6))
+        assert prof.fake == (draw != "torch")
+        _seed_all(seed)
         plan = autockpt.plan(model, (x,), mode="non_reentrant")
-        after_plan = torch.rand(3)
-        torch.manual_seed(seed)
-        torch.testing.assert_close(after_plan, torch.rand(3), rtol=0, atol=0)
-    assert plan.capture == "modules" and plan.real_replay and len(plan.segments) >= 5
+        after_plan = _draws()
+        _seed_all(seed)
+        torch.testing.assert_close(after_plan, _draws(), rtol=0, atol=0)
+    assert plan.capture == "modules" and len(plan.segments) >= 5
+    assert plan.estimate == "replay" and plan.real_replay == (draw == "torch")
     with contextlib.redirect_stdout(io.StringIO()):
         transformed = autockpt.apply(model, plan=plan, example_inputs=(x,))
     peaks = []
     for seed in range(8):
-        torch.manual_seed(seed)
+        _seed_all(seed)
         peaks.append(autockpt.measure(transformed, (x,)).peak_activation_bytes)
     assert max(peaks) <= plan.estimated_peak_bytes and len(set(peaks)) > 1
