@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import random
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
@@ -126,10 +128,6 @@ def capture(
 def _no_python_draw(model_name: str) -> Iterator[None]:
     """Refuse a capture during which Python's or numpy's global random generator moved
     (NOTE [ Python's random numbers while tracing ])."""
-    import random
-
-    import numpy as np
-
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
         yield
@@ -150,8 +148,6 @@ def _no_python_draw(model_name: str) -> Iterator[None]:
 
 
 def _same_numpy_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    import numpy as np
-
     return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
                for x, y in zip(a, b))
 

@@ -452,6 +452,9 @@ def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 class _NoLayerDropped(TorchDispatchMode):
+    """Makes each scalar ``aten.rand`` draws the largest value below 1, after the draw (NOTE
+    [ A random scalar in a real forward ])."""
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -481,16 +484,16 @@ def python_draws_high() -> Iterator[None]:
     forward ])."""
     import random
 
-    def high(low: float = 0.0, high: float = 1.0, size: Any = None) -> Any:
-        top = float(np.nextafter(max(low, high), min(low, high)))
-        return top if size is None else np.full(size, top)
+    def top(low: float = 0.0, high: float = 1.0, size: Any = None) -> Any:
+        value = float(np.nextafter(max(low, high), min(low, high)))
+        return value if size is None else np.full(size, value)
 
     patches = [(random, "random", lambda: _BELOW_ONE),
-               (random, "uniform", lambda a, b: float(np.nextafter(max(a, b), min(a, b)))),
-               (np.random, "random", lambda size=None: high(size=size)),
-               (np.random, "random_sample", lambda size=None: high(size=size)),
-               (np.random, "rand", lambda *shape: high(size=shape or None)),
-               (np.random, "uniform", high)]
+               (random, "uniform", lambda a, b: top(a, b)),
+               (np.random, "random", lambda size=None: top(size=size)),
+               (np.random, "random_sample", lambda size=None: top(size=size)),
+               (np.random, "rand", lambda *shape: top(size=shape or None)),
+               (np.random, "uniform", top)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
