@@ -482,7 +482,7 @@ class _Saved:
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor | None) -> None:
         self.tensor: torch.Tensor | None = tensor
 
     def unpack(self) -> torch.Tensor | None:
@@ -504,12 +504,14 @@ class SavedTensors:
 
 
 @contextlib.contextmanager
-def watch_saved(on_save: Callable[[torch.Tensor], None], keep: SavedTensors | None = None
-                ) -> Iterator[None]:
+def watch_saved(on_save: Callable[[torch.Tensor], None], keep: SavedTensors | None = None,
+                *, hold: bool = True) -> Iterator[None]:
     """Call ``on_save`` with every tensor autograd saves for backward inside the block; a
     backward run inside the block finds them as usual. After the block (or, with ``keep``,
     after ``keep.release()``), the autograd graphs built in it no longer hold them (NOTE
-    [ Saved tensors held from C++ ]): a backward through them fails.
+    [ Saved tensors held from C++ ]): a backward through them fails. With ``hold=False``
+    they are not held even inside the block: a forward that is never run backward (a real
+    one, profiled) then takes the memory of an inference forward, not a training one.
 
     Example:
         >>> import torch
@@ -524,6 +526,8 @@ def watch_saved(on_save: Callable[[torch.Tensor], None], keep: SavedTensors | No
 
     def pack(tensor: torch.Tensor) -> _Saved:
         on_save(tensor)
+        if not hold:
+            return _Saved(None)
         held._boxes.append(_Saved(tensor))
         return held._boxes[-1]
 

@@ -207,6 +207,10 @@ class _Recorder(OpObserver):
         self.random_ops: list[int] = []
         # (op, serial, +bytes or -bytes): allocations and frees, for working sets.
         self.memory: list[tuple[int, int, int]] = []
+        # Storages autograd saved, whose frees are logged when the forward ends, where they
+        # would be freed if autograd held them (see :meth:`_Session.run`).
+        self.saved_serials: set[int] | None = None
+        self.saved_freed: list[int] = []
 
     @property
     def count(self) -> int:
@@ -230,7 +234,19 @@ class _Recorder(OpObserver):
         return found
 
     def _freed(self, serial: int) -> None:
+        if self.saved_serials is not None and serial in self.saved_serials:
+            self.saved_freed.append(serial)
+            return
         self.memory.append((self.count, serial, -self.sizes[serial]))
+
+    def log_saved_frees(self) -> None:
+        """Log the frees :meth:`_freed` put off, at the current op count, and put off no
+        more: a saved storage still alive (the output) is logged when it dies, as it would
+        be if autograd had held it."""
+        for serial in self.saved_freed:
+            self.memory.append((self.count, serial, -self.sizes[serial]))
+        self.saved_freed.clear()
+        self.saved_serials = None
 
     def before_op(self, op: Op) -> None:
         if op.random:
@@ -313,17 +329,25 @@ class _Session:
         found = self.recorder.serial(tensor, self.recorder.count)
         if found is not None:
             self.saved.append((self.recorder.count, found, tensor.requires_grad))
+            if self.recorder.saved_serials is not None:
+                self.recorder.saved_serials.add(found)
 
-    def run(self, fn: Callable[[], Any]) -> Any:
+    def run(self, fn: Callable[[], Any], *, hold_saved: bool = True) -> Any:
+        """Run ``fn`` (the forward) watched. With ``hold_saved=False`` what autograd saves is
+        counted and dropped at once (a real forward then needs an inference forward's
+        memory); the log still frees it when the forward ends, as holding it would."""
         handles = []
+        if not hold_saved:
+            self.recorder.saved_serials = set()
         try:
             for record in self.calls.values():
                 sub = record.module
                 handles.append(sub.register_forward_pre_hook(self.pre, with_kwargs=True))
                 handles.append(sub.register_forward_hook(self.post, with_kwargs=True,
                                                          always_call=False))
-            with self.flops, self.recorder.watch, watch_saved(self.pack):
+            with self.flops, self.recorder.watch, watch_saved(self.pack, hold=hold_saved):
                 output = fn()
+                self.recorder.log_saved_frees()
             return output
         finally:
             for handle in handles:
@@ -343,7 +367,9 @@ def profile_modules(module: nn.Module, args: tuple[Any, ...] = (),
     no RNG draw. A forward that fake tensors cannot run (``if x.sum() > 0:`` needs a value)
     runs for real instead, under ``torch.random.fork_rng`` and with the buffers restored
     afterwards, and with no layer dropped at random (NOTE [ A random scalar in a real
-    forward ]); :attr:`ModuleProfile.fake` is then False and a note says why.
+    forward ]); what autograd saves in it is counted and dropped at once, so it takes the
+    memory of an inference forward; :attr:`ModuleProfile.fake` is then False and a note
+    says why.
 
     Example:
         >>> import torch
@@ -420,8 +446,10 @@ def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     session = _Session(module, set(old), buffer_names)
     _note_inputs(session, (args, kwargs))
     try:
+        # Nothing runs backward through this forward: what autograd saves is counted and
+        # dropped, so profiling needs an inference forward's memory, not the step's.
         with torch.random.fork_rng(devices=devices), no_layer_dropped():
-            output = session.run(lambda: module(*args, **kwargs))
+            output = session.run(lambda: module(*args, **kwargs), hold_saved=False)
     except Exception as err:
         raise InvalidArgumentError(
             f"{base_class(module).__name__}.forward failed on the example inputs "

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
+from autockpt import modules
 from autockpt.modules import (
     blocks_of_plan,
     build,
@@ -501,3 +502,27 @@ def test_a_layer_dropped_at_random_is_still_planned_and_priced(draw: str) -> Non
         _seed_all(seed)
         peaks.append(autockpt.measure(transformed, (x,)).peak_activation_bytes)
     assert max(peaks) <= plan.estimated_peak_bytes and len(set(peaks)) > 1
+
+
+def test_a_real_profile_takes_an_inference_forwards_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing runs backward through the real forward a profile needs (``if h.sum() > 0``):
+    what autograd saves is counted and dropped at once, so profiling no longer holds a
+    training forward's activations, and the profile is the one holding them gave."""
+    from autockpt.measure import track_activation_memory
+
+    model = _branchy()
+    x = torch.randn(2048, 16)
+    forward_peak = autockpt.measure(model, (x,), loss_fn=_loss).forward_peak_bytes
+    with track_activation_memory(exclude=[*model.parameters(), *model.buffers(), x]) as t:
+        dropped = profile_modules(model, (x,))
+    assert not dropped.fake
+    assert t.peak_bytes < forward_peak / 3, (t.peak_bytes, forward_peak)
+
+    run = modules._Session.run
+    monkeypatch.setattr(modules._Session, "run",
+                        lambda self, fn, hold_saved=True: run(self, fn, hold_saved=True))
+    with track_activation_memory(exclude=[*model.parameters(), *model.buffers(), x]) as t:
+        held = profile_modules(model, (x,))
+    assert t.peak_bytes > forward_peak / 2  # the old way: the forward's activations
+    assert repr(held) == repr(dropped)
