@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch import nn
 
 from autockpt.errors import AutockptError, TraceError
+from autockpt.instrument import rng_forked
 from autockpt.trace import (TraceSpec, TracedModel, base_class, bind_inputs, functions_applied,
                             functions_called, has_attr_path, shallow_view, trace)
 from autockpt.units import format_names
@@ -106,10 +107,7 @@ def capture(
     """
     # torch.fx calls a random op with no traced argument for real (``torch.rand([])`` in
     # LayerDrop): the draws of a capture are not the user's.
-    devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers(),
-                                                    *_tensors((args, kwargs))]
-                      if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    with rng_forked(module, args, kwargs):
         return _capture(module, args, kwargs, method, keep_whole)
 
 
@@ -150,10 +148,6 @@ def _no_python_draw(model_name: str) -> Iterator[None]:
 def _same_numpy_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
                for x, y in zip(a, b))
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], method: str,

@@ -120,6 +120,24 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return [v for v in leaves(value) if isinstance(v, torch.Tensor)]
 
 
+def rng_forked(module: torch.nn.Module, *values: Any) -> contextlib.AbstractContextManager[Any]:
+    """``torch.random.fork_rng`` over the CPU and every CUDA device that ``module``'s
+    parameters and buffers or the tensors in ``values`` live on.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2)
+        >>> state = torch.get_rng_state()
+        >>> with rng_forked(net, torch.ones(1)):
+        ...     _ = torch.rand(1)
+        >>> torch.equal(torch.get_rng_state(), state)
+        True
+    """
+    devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers(),
+                                                    *tensors(values)]
+                      if t.device.type == "cuda"})
+    return torch.random.fork_rng(devices=devices)
+
+
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``value`` with ``fn`` applied to the tensors in its nested tuples (named ones too),
     lists, dicts and dataclass instances; a dict of another class (``OrderedDict``,

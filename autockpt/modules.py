@@ -83,7 +83,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
-                                 storage_key, tensors, watch_saved)
+                                 rng_forked, storage_key, tensors, watch_saved)
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs
 from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
@@ -440,15 +440,12 @@ def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     buffer_names = {storage_key(b): n for n, b in module.named_buffers()}
     old = {storage_key(t) for t in [*module.parameters(), *module.buffers()]} | {
         storage_key(t) for t in tensors((args, kwargs))}
-    devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers(),
-                                                    *tensors((args, kwargs))]
-                      if t.device.type == "cuda"})
     session = _Session(module, set(old), buffer_names)
     _note_inputs(session, (args, kwargs))
     try:
         # Nothing runs backward through this forward: what autograd saves is counted and
         # dropped, so profiling needs an inference forward's memory, not the step's.
-        with torch.random.fork_rng(devices=devices), no_layer_dropped():
+        with rng_forked(module, args, kwargs), no_layer_dropped():
             output = session.run(lambda: module(*args, **kwargs), hold_saved=False)
     except Exception as err:
         raise InvalidArgumentError(
@@ -468,7 +465,7 @@ def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 # skips the layer when it is below the drop probability. Fake tensors cannot compare it, so
 # such a model's blocks are found on one real forward; a layer that forward skipped was never
 # a block, never checkpointed, and the steps that run it (most of them) measured 52% of the
-# baseline where one that checkpoints every layer measures 36% (M2M100, 2 + 2 layers, 5%).
+# baseline where one that checkpoints every layer measures 34% (M2M100, 2 + 2 layers, 5%).
 # So in the real forwards autockpt runs to plan (this profile, and the replay of
 # ``autockpt.replay``), a scalar drawn by ``aten.rand`` is the largest value below 1: every
 # layer runs, and the plan prices the step that keeps them all, the most a step can take.

@@ -189,24 +189,23 @@ def replay_blocks_peak_bytes(module: nn.Module, prof: ModuleProfile, plan: Plan,
     with installed(shallow_view(module), prof, plan) as twin:
         if not prof.fake:
             return _real_step_peak(twin, args, kwargs, loss_fn, grad_accumulation)
-        return _fake_step_peak(twin, args, kwargs, loss_fn, grad_accumulation)
+        with python_draws_high():  # NOTE [ A random scalar in a real forward ]
+            return _fake_step_peak(twin, args, kwargs, loss_fn, grad_accumulation)
 
 
 # NOTE [ A real replay where fake tensors cannot run ]
 # A forward that looks at values in Python (``.item()``, LayerDrop's ``torch.rand([]) < p``
 # under the transformers of torch 2.11's day) cannot run on fake tensors, so the modules rung
 # profiled it on one real forward. Its model prices whole blocks from that forward and was
-# 9.9% above half the baseline of Hugging Face BART on an H100 and an H200 (CUDA's attention
-# saves other tensors than the forward's outputs show). So such a plan is replayed as the
-# real step it is: the memory it takes is what the planned step itself takes, which the
-# user's training loop is about to take anyway, and no more than the real profile's forward
-# already held (every activation of the forward). It costs one real step per distinct plan
-# replayed (see ``autockpt.pipeline._replanned``). The step runs on the view the plan is
-# installed in, whose parameters and buffers are the user's: ``PreservedState`` puts back
-# every ``.grad`` (the step's own gradients are dropped), every buffer's values (BatchNorm's
-# statistics) and the CPU and CUDA random streams, so planning changes nothing a later step
-# sees. The random branches the step takes are those of the stream as it is now, as for the
-# real profile; a later step may take others.
+# 9.9% above half the baseline of Hugging Face BART on an H100 and an H200. So such a plan is
+# replayed as the real step it is: the memory it takes is what the planned step itself
+# takes, which the user's training loop is about to take anyway. It costs one real step per
+# distinct plan replayed (see ``autockpt.pipeline._replanned``). The step runs on the view
+# the plan is installed in, whose parameters and buffers are the user's: ``PreservedState``
+# puts back every ``.grad`` (the step's own gradients are dropped), every buffer's values
+# (BatchNorm's statistics) and the CPU and CUDA random streams, so planning changes nothing
+# a later step sees. Its random scalars keep every layer, as in the real profile (NOTE [ A
+# random scalar in a real forward ] in :mod:`autockpt.modules`).
 
 
 def _real_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -243,7 +242,7 @@ def _fake_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         # decompositions (normalisations, activation backwards) with the same outputs, and
         # the memo the ops the profile or the step already ran (the recomputations).
         watch = OpWatch(_Widen(), SHAPE_RULES, memo=SHARED)
-        with torch.random.fork_rng(devices=[]), unobserved(), watch, python_draws_high():
+        with torch.random.fork_rng(devices=[]), unobserved(), watch:
             return int(run_with_state(model, state, tracked, ()))
 
 

@@ -395,29 +395,19 @@ def _operator_of(cls: type) -> Any:
 
 def functions_called(graph: fx.Graph) -> None:
     """Make each node of an operator of :func:`functions_applied` call the real ``apply`` of
-    its Function, with the same arguments, returning its outputs as a tuple (the graph reads
-    them with ``getitem``)."""
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in _CLASSES:
-            node.target = _function_outputs(_CLASSES[node.target])
-            node.args = tuple(node.args[0])
-
-
-_OUTPUTS: dict[type, Callable[..., Any]] = {}
-
-
-def _function_outputs(cls: type) -> Callable[..., Any]:
-    """A plain function calling ``cls.apply`` and returning its outputs as a tuple."""
-    call = _function_call(cls)
-    with _CALLS_LOCK:
-        if cls not in _OUTPUTS:
-            def outputs(*args: Any) -> tuple[Any, ...]:
-                out = call(*args)
-                return out if isinstance(out, tuple) else (out,)
-
-            outputs.__name__ = outputs.__qualname__ = f"{cls.__name__}_outputs"
-            _OUTPUTS[cls] = outputs
-        return _OUTPUTS[cls]
+    its Function (:func:`_function_call`, as torch.fx records it), with the same arguments.
+    Export reads the operator's list of outputs with ``getitem``; where the Function returns
+    one tensor, not a tuple, its readers read the node itself."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _CLASSES:
+            continue
+        cls = _CLASSES[node.target]
+        node.target = _function_call(cls)
+        node.args = tuple(node.args[0])
+        if _SINGLE_OUTPUT[cls]:
+            for reader in list(node.users):  # getitem(node, 0), export's only reader
+                reader.replace_all_uses_with(node)
+                graph.erase_node(reader)
 
 
 def trace(
