@@ -88,8 +88,10 @@ def apply(
             profiled with the model, so its saved tensors, its temporaries and the gradient
             it sends into the output are in the budget; your own code still computes it.
             Without it, a model that returns its own loss (``labels=``) is planned with that
-            loss, and any other with an output-sized gradient assumed for each output, which
-            a real loss makes at least (the plan's header says which).
+            loss, the rest of its output (the logits) held through backward as ``outputs =
+            model(**batch); outputs.loss.backward()`` holds it, and any other with an
+            output-sized gradient assumed for each output, which a real loss makes at least
+            (the plan's header says which).
         grad_accumulation: plan for steps in which ``.grad`` is already allocated when
             backward runs (gradient accumulation, ``zero_grad(set_to_none=False)``): each
             weight gradient is then a temporary added into it, and the budget counts it.

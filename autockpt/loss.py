@@ -7,14 +7,15 @@ same meaning, and without it uses the same default, :func:`default_loss`.
 # NOTE [ The default loss ]
 A model whose output holds its own loss (a Hugging Face model given ``labels=``, any model
 that returns a mapping with a scalar ``"loss"``, or that returns a scalar, as
-:func:`with_loss` does) is trained on that loss: the default is that
-tensor, as the user's ``model(**batch).loss.backward()`` does, and the logits beside it get no
-gradient from the loss. Any other output is reduced by summing every floating-point tensor
-that requires grad, in at least float32 without a converted copy. Such a sum sends a broadcast
-scalar into the output, which costs no memory, while every real loss (cross-entropy, MSE)
-sends an output-sized gradient and often saves output-sized tensors of its own: planning
-without ``loss_fn`` therefore assumes an output-sized gradient for each such output (never
-optimistic), and says so in the plan.
+:func:`with_loss` does) is trained on that loss: the default is that tensor, as the user's
+``outputs = model(**batch); outputs.loss.backward()`` does, and the logits beside it get no
+gradient from the loss; they are held through backward all the same, as ``outputs`` holds
+them (NOTE [ The loss node ] in :mod:`autockpt.profile`). Any other output is reduced by
+summing every floating-point tensor that requires grad, in at least float32 without a
+converted copy. Such a sum sends a broadcast scalar into the output, which costs no memory,
+while every real loss (cross-entropy, MSE) sends an output-sized gradient and often saves
+output-sized tensors of its own: planning without ``loss_fn`` therefore assumes an
+output-sized gradient for each such output (never optimistic), and says so in the plan.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch import nn
 from autockpt.errors import InvalidArgumentError
 
 __all__ = ["LossFn", "NAMED_LOSSES", "default_loss", "inner_loss", "named_loss", "check_loss_fn",
-           "output_tensors", "call_loss", "planned_loss", "WithLoss", "with_loss"]
+           "output_tensors", "output_parts", "call_loss", "planned_loss", "WithLoss",
+           "with_loss"]
 
 LossFn = Callable[[Any], torch.Tensor]
 """``loss_fn(output) -> scalar tensor``: what a training step backpropagates from."""
@@ -64,6 +66,28 @@ def output_tensors(obj: Any, _seen: set[int] | None = None) -> Iterator[torch.Te
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from output_tensors(getattr(obj, f.name), seen)
+
+
+def output_parts(output: Any) -> list[tuple[str, list[torch.Tensor]]]:
+    """The tensors of an output by the name of its top-level part, each tensor once: the keys
+    of a mapping (a ``ModelOutput``'s ``loss``, ``logits``, ...), the fields of a dataclass,
+    ``[i]`` for the items of a tuple or list, ``output`` for a tensor or anything else.
+
+    Example:
+        >>> t = torch.ones(2)
+        >>> [(name, len(ts)) for name, ts in output_parts({"loss": t, "hidden": (t, t * 2)})]
+        [('loss', 1), ('hidden', 1)]
+    """
+    seen: set[int] = set()
+    if isinstance(output, Mapping):
+        named = [(str(key), value) for key, value in output.items()]
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        named = [(f.name, getattr(output, f.name)) for f in dataclasses.fields(output)]
+    elif isinstance(output, (tuple, list)):
+        named = [(f"[{i}]", item) for i, item in enumerate(output)]
+    else:
+        named = [("output", output)]
+    return [(name, list(output_tensors(value, seen))) for name, value in named]
 
 
 def inner_loss(output: Any) -> torch.Tensor | None:
@@ -105,8 +129,8 @@ def planned_loss(output: Any) -> torch.Tensor:
     """The loss a plan prices when it is given none (NOTE [ The default loss ]): the model's
     own loss when its output holds one, else a new gradient the size of each floating-point
     output that requires grad, all made when backward starts, as from a real loss. A replay of
-    the plan (:mod:`autockpt.replay`) runs it; a step measured with it drops the rest of the
-    output before backward when the model's own loss is used, as the default does.
+    the plan (:mod:`autockpt.replay`) runs it; a step measured with it holds the whole output
+    through backward, the model's own loss or not, as the default does.
 
     Example:
         >>> x = torch.ones(2, 3, requires_grad=True)

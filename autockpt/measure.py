@@ -69,8 +69,7 @@ from autockpt.budget import storage_bytes
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, is_fake,
                                  map_tensors, storage_of, tensors)
-from autockpt.loss import (LossFn, call_loss, check_loss_fn, inner_loss, output_tensors,
-                           planned_loss)
+from autockpt.loss import LossFn, call_loss, check_loss_fn, output_tensors
 from autockpt.units import format_bytes, format_seconds
 
 __all__ = [
@@ -534,14 +533,16 @@ def measure(
     (when ``optimizer`` steps them) and the CPU and CUDA random number generators are
     restored, so measuring does not shift the dropout stream.
 
-    A step is ``loss = loss_fn(model(*args, **kwargs)); loss.backward()``, the output held
-    until backward ends, as a training loop holds it. The default loss is the one every
-    autockpt entry point uses (NOTE [ The default loss ] in :mod:`autockpt.loss`): the model's
-    own loss when its output holds one (a Hugging Face model given ``labels=``), the rest of
-    the output then dropped before backward as ``model(**batch).loss.backward()`` does; else
-    the sum of every floating-point output tensor that requires grad, whose backward sends a
-    broadcast scalar into the output and so leaves out the output-sized gradient a real loss
-    makes. Pass ``loss_fn`` to measure with your loss.
+    A step is ``outputs = model(*args, **kwargs); loss = loss_fn(outputs); loss.backward()``,
+    the whole output held until backward ends, as a training loop holds it, whatever the
+    loss. The default loss is the one every autockpt entry point uses (NOTE [ The default
+    loss ] in :mod:`autockpt.loss`): the model's own loss when its output holds one (a Hugging
+    Face model given ``labels=``), measured as ``outputs = model(**batch);
+    outputs.loss.backward()`` runs (accelerate's loop), the logits beside the loss held
+    through backward (``model(**batch).loss.backward()`` frees them sooner, and peaks no
+    higher); else the sum of every floating-point output tensor that requires grad, whose
+    backward sends a broadcast scalar into the output and so leaves out the output-sized
+    gradient a real loss makes. Pass ``loss_fn`` to measure with your loss.
 
     Inputs that require grad get gradients during the step; leaf inputs have their
     ``.grad`` restored afterwards, and non-leaf inputs are detached first so that backward
@@ -792,11 +793,10 @@ class _Step:
 
             if tracker is not None:
                 tracker.mark("loss")
+            # The output is held through backward whatever the loss, the model's own
+            # included: ``outputs = model(**batch); outputs.loss.backward()`` keeps the logits
+            # alive until it ends (NOTE [ The loss node ] in autockpt.profile).
             loss = call_loss(self.loss_fn, output, model_name)
-            if self.loss_fn in (None, planned_loss) and inner_loss(output) is not None:
-                # The model's own loss: the loop keeps only it (``model(**b).loss``), so the
-                # logits beside it are freed unless backward saved them.
-                output = None
 
             if tracker is not None:
                 tracker.mark("backward")

@@ -84,10 +84,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
                                  rng_forked, storage_key, tensors, watch_saved)
+from autockpt.loss import inner_loss, output_parts
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs
 from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
-from autockpt.stats import NodeStat, Profile, StorageStat, assume_loss
+from autockpt.stats import LossStat, NodeStat, Profile, StorageStat, assume_loss
 from autockpt.trace import base_class, generated_subclass, shallow_view
 
 __all__ = [
@@ -165,6 +166,11 @@ class ModuleProfile:
     """Whether the forward ran on fake tensors (else on real ones, see :attr:`notes`)."""
     notes: tuple[str, ...] = ()
     """How the chain was chosen, and anything the reader should know."""
+    own_loss: LossStat | None = None
+    """When the output holds the model's own loss (a Hugging Face model given ``labels=``):
+    that loss, kind ``"inner"``, with the rest of the output it returns, which the step holds
+    through backward (NOTE [ The loss node ] in :mod:`autockpt.profile`); what a plan of this
+    profile prices without ``loss_fn``. None otherwise."""
 
     def call(self, qualname: str) -> ModuleCall:
         """The record of the module ``qualname``."""
@@ -741,7 +747,30 @@ def _summarise(module: nn.Module, session: _Session, output: Any, args: tuple[An
         model=base_class(module).__name__, input_signature=stats.input_signature,
         calls=tuple(calls), blocks=blocks, block_nodes=block_nodes, checkpointable=safe,
         block_inputs_grad=tuple(input_grad[b] for b in blocks), profile=stats, fake=fake,
-        notes=tuple(notes))
+        notes=tuple(notes), own_loss=_own_loss(rec, output))
+
+
+def _own_loss(rec: _Recorder, output: Any) -> LossStat | None:
+    """The model's own loss in ``output``, and the other parts of the output that hold
+    storages the forward made, with their bytes (each storage once), as the graph rungs'
+    loss node reports them."""
+    own = inner_loss(output)
+    if own is None:
+        return None
+    seen = {rec.serial(own)}
+    held = []
+    for name, found in output_parts(output):
+        size = 0
+        for t in found:
+            serial = rec.serial(t)
+            if serial is None or serial in seen:
+                continue
+            seen.add(serial)
+            size += rec.sizes[serial]
+        if size:
+            held.append((name, size))
+    return LossStat(kind="inner", name="its scalar output" if own is output else "output.loss",
+                    saved_bytes=0, grad_bytes=0, work_bytes=0, held=tuple(held))
 
 
 def _with_siblings(module: nn.Module, buffers: set[str]) -> set[str]:

@@ -130,8 +130,9 @@ def plan_blocks(
     """The ``"modules"`` rung: profile whole submodules with hooks and plan over them.
 
     It has no graph to time node by node: ``cost="profile"`` plans by FLOPs here, and the
-    plan's notes say so. Nor does it run the loss with the model: it prices the gradient a
-    loss sends into the output as an output-sized one, and says so."""
+    plan's notes say so. Nor does it run ``loss_fn`` with the model: it prices the gradient a
+    loss sends into the output as an output-sized one, and says so; a model that returns its
+    own loss computes it in the forward profiled, and the plan names it."""
     _refuse_caches(module, args, kwargs)
     budget_bytes, device = resolve_budget(module, args, kwargs, config)
     # The user's forward on the user's class, with the twin's block views running plainly.
@@ -158,6 +159,10 @@ def plan_blocks(
                                         "step, its gradients, buffers and random streams put "
                                         "back"))
     notes = plan.notes
+    if config.loss_fn is None and prof.own_loss is not None:
+        # The model's own loss runs in its forward, and the replay ran it, the whole output
+        # held through backward: the plan says so instead of an assumed gradient.
+        plan = replace(plan, loss=prof.own_loss)
     if config.cost != "flops":
         notes += (f"cost={config.cost!r} needs a graph to time; the modules rung planned by "
                   "FLOPs",)

@@ -36,7 +36,7 @@ from autockpt.fake_outputs import SHARED
 from autockpt.instrument import (FlopTally, LiveStorages, Op, OpObserver, OpWatch, SavedTensors,
                                  map_tensors, run_with_state, storage_key, tensors, watch_saved,
                                  widen_reduced_loss)
-from autockpt.loss import LossFn, call_loss, inner_loss
+from autockpt.loss import LossFn, call_loss, inner_loss, output_parts
 from autockpt.shape_rules import SHAPE_RULES
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
 from autockpt.trace import TracedModel
@@ -345,6 +345,25 @@ def _real_tensors_allowed(output: Any) -> Iterator[None]:
         mode.allow_non_fake_inputs = before
 
 
+def _held_parts(output: Any, loss_key: int, storage_index: dict[int, int],
+                storages: list[dict[str, Any]]) -> tuple[tuple[str, int], ...]:
+    """The parts of ``output`` beside the model's own loss that hold storages the step made,
+    with their bytes (each storage counted once, in the first part that holds it)."""
+    seen = {loss_key}
+    parts = []
+    for name, found in output_parts(output):
+        size = 0
+        for t in found:
+            key = storage_key(t)
+            if key in seen or key not in storage_index:
+                continue
+            seen.add(key)
+            size += storages[storage_index[key]]["size_bytes"]
+        if size:
+            parts.append((name, size))
+    return tuple(parts)
+
+
 # NOTE [ The loss node ]
 # The step users run is ``loss_fn(model(x)).backward()``: the loss's saved tensors (the
 # log-softmax of a cross-entropy), its temporaries and the gradient it sends into the output
@@ -352,13 +371,17 @@ def _real_tensors_allowed(output: Any) -> Iterator[None]:
 # the profile ends with one more node, op ``"loss"``, between the graph's last node and its
 # output node: the user's ``loss_fn`` run on the fake output and probed like any node. It is
 # never part of a segment (its stage is closed by a cut of its own and marked as carrying no
-# gradient) and never rewritten: the user's code still computes the loss. Which outputs stay
-# alive through backward follows the user's code: with ``loss_fn`` (or nothing) the caller
-# holds the output, ``out = model(x); loss_fn(out).backward()``; a model that returns its own
-# loss is trained as ``model(**batch).loss.backward()``, so only the loss is held and the
-# logits die at their last reader. Without ``loss_fn`` and without a loss of its own, the node
-# hands an output-sized gradient to every floating output that requires grad, which any real
-# loss does at least (NOTE [ The default loss ]).
+# gradient) and never rewritten: the user's code still computes the loss. Everything the
+# model returns stays alive through backward, one rule whoever computes the loss: with
+# ``loss_fn`` (or nothing) the caller holds the output, ``out = model(x);
+# loss_fn(out).backward()``; a model that returns its own loss is trained as ``outputs =
+# model(**batch); outputs.loss.backward()`` (accelerate's and most examples' loop), which holds
+# the logits beside the loss until ``outputs`` goes out of scope. ``model(**batch).loss
+# .backward()`` frees them earlier, so counting them is never optimistic, and costs one logits
+# tensor where the head is whole: the chunked head (NOTE [ The head in chunks of rows ] in
+# autockpt.chunking) returns no logits, so there is nothing to hold. Without ``loss_fn`` and
+# without a loss of its own, the node hands an output-sized gradient to every floating output
+# that requires grad, which any real loss does at least (NOTE [ The default loss ]).
 
 
 class _ProfileRunner(fx.Interpreter):
@@ -735,6 +758,7 @@ class _ProfileRunner(fx.Interpreter):
             return [slot for i in nodes for slot in value_storages.get(i, ())]
 
         flops = work = output_bytes = grad_size = 0
+        held_parts: tuple[tuple[str, int], ...] = ()
         random = False
         backward: tuple[int, tuple[int, ...], int] | None = None
         if self.loss_fn is None and own_loss is None:
@@ -751,7 +775,10 @@ class _ProfileRunner(fx.Interpreter):
                       if any(storage_key(t) == key for t in tensors(env.get(i)))][:1]
             backward = (0, (0,) * len(inputs), 0)  # the loss's own gradient, passed through
             grad_size = _grad_size(own_loss)
-            held = [storage_index[key]] if key in storage_index else []
+            # ``out = model(**batch); out.loss.backward()`` holds the logits beside the loss
+            # through backward, so they are held whichever loop runs (NOTE [ The loss node ]).
+            held = slots_of(producers)
+            held_parts = _held_parts(output, key, storage_index, storages)
         else:
             kind = "loss_fn"
             name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
@@ -803,7 +830,8 @@ class _ProfileRunner(fx.Interpreter):
         self._stats.append(stat)
         self._param_reads.append({})
         self.loss = LossStat(kind=kind, name=name, saved_bytes=saved_bytes,
-                             grad_bytes=sum(handed), work_bytes=stat.work_bytes)
+                             grad_bytes=sum(handed), work_bytes=stat.work_bytes,
+                             held=held_parts)
         return index + 1
 
     def _run_module(self, node: fx.Node, saved_now: list[torch.Tensor]) -> Any:

@@ -134,6 +134,17 @@ def loss_summary(plan: Plan) -> str:
         >>> net = torch.nn.Linear(64, 10)
         >>> loss_summary(autockpt.plan(net, (torch.randn(8, 64),)))
         'not given, assumed an output-sized gradient; pass loss_fn (320 B assumed)'
+        >>> class OwnLoss(torch.nn.Module):  # as a Hugging Face model given labels=
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.head = torch.nn.Linear(64, 10)
+        ...     def forward(self, x, labels):
+        ...         logits = self.head(x)
+        ...         loss = torch.nn.functional.cross_entropy(logits, labels)
+        ...         return {"loss": loss, "logits": logits}
+        >>> batch = {"x": torch.randn(8, 64), "labels": torch.zeros(8, dtype=torch.long)}
+        >>> loss_summary(autockpt.plan(OwnLoss(), batch, chunk_head=False))
+        "the model's own (output.loss); its other outputs (logits 320 B) held through backward"
     """
     loss = plan.loss
     if loss is None:
@@ -144,7 +155,15 @@ def loss_summary(plan: Plan) -> str:
     if loss.kind == "inner":
         if loss.name != "output.loss":
             return f"the model's own ({loss.name})"
-        return "the model's own (output.loss); the rest of the output is dropped before backward"
+        # Everything the model returns is held through backward (NOTE [ The loss node ] in
+        # autockpt.profile): the line names it, and why the logits are not among it.
+        chunks = "the head runs in chunks" if plan.chunked_head is not None else ""
+        if loss.held:
+            parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in loss.held)
+            return (f"the model's own (output.loss); its other outputs ({parts}) held "
+                    f"through backward{'; no logits: ' + chunks if chunks else ''}")
+        return ("the model's own (output.loss); its other outputs: none returned"
+                f"{', ' + chunks if chunks else ''}")
     return (f"loss_fn {loss.name}: saves {format_bytes(loss.saved_bytes)}, sends "
             f"{format_bytes(loss.grad_bytes)} of gradient into the output")
 

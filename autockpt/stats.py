@@ -144,8 +144,10 @@ class LossStat:
     kind: str
     """``"loss_fn"`` (the user's loss, profiled with the model), ``"inner"`` (the model
     returns its own loss, as a Hugging Face model given ``labels=``; the rest of its output
-    is dropped before backward) or ``"assumed"`` (no loss given: an output-sized gradient
-    for each floating output that requires grad)."""
+    is held through backward, as ``outputs = model(**batch); outputs.loss.backward()`` holds
+    it) or ``"assumed"`` (no loss given: an output-sized gradient for each floating output
+    that requires grad). Every kind counts the whole output alive through backward (NOTE
+    [ The loss node ] in :mod:`autockpt.profile`)."""
     name: str
     """The loss function's name, or what was assumed."""
     saved_bytes: int
@@ -154,6 +156,11 @@ class LossStat:
     """Bytes of the gradients it hands to the model's outputs."""
     work_bytes: int
     """Most new bytes alive at once while the loss is computed."""
+    held: tuple[tuple[str, int], ...] = ()
+    """With the model's own loss (``"inner"``): the other parts of the output that hold
+    activations, by name (``("logits", 524288)``), with their bytes, each storage counted
+    once; all held through backward. Empty when the model returns nothing else (a head in
+    chunks returns no logits)."""
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ __all__ = [
     "buffers_of",
     "grads_of",
     "free_port",
+    "loop_peak_bytes",
     "params_of",
     "run_workers",
     "train_step",
@@ -182,6 +183,36 @@ def assert_same_case_step(case: ZooCase, reference: nn.Module, transformed: nn.M
     expected = train_step(reference, case.loss_fn, args, kwargs, seed=1234)
     assert_same_step(train_step(transformed, case.loss_fn, args, kwargs, seed=1234), expected,
                      allow_none=True)
+
+
+def loop_peak_bytes(model: nn.Module, batch: Mapping[str, Any], *, hold: bool) -> int:
+    """Peak activation bytes of a training step written as users write it for a model that
+    returns its own loss (a Hugging Face model given ``labels=``, or any mapping with a
+    ``"loss"``): ``outputs = model(**batch); outputs.loss.backward()`` with ``hold``
+    (accelerate's loop: ``outputs`` and its logits alive until backward ends), else
+    ``model(**batch).loss.backward()`` (the output dropped as soon as ``.loss`` is read).
+    Counted as :func:`autockpt.measure` counts: parameters, buffers and inputs excluded, each
+    parameter gradient reclassified as it is accumulated, from ``zero_grad()``."""
+    from autockpt.measure import track_activation_memory
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    inputs = [v for v in batch.values() if isinstance(v, Tensor)]
+    tracker = track_activation_memory(exclude=[*model.parameters(), *model.buffers(), *inputs])
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.reclassify(p.grad))
+             for p in model.parameters() if p.requires_grad]
+    try:
+        with tracker:
+            if hold:
+                outputs = model(**batch)  # a local: alive until the tracker has stopped
+                outputs["loss"].backward()
+            else:
+                model(**batch)["loss"].backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.zero_grad(set_to_none=True)
+    return tracker.peak_bytes
 
 
 def budget_for(plan: autockpt.Plan, fraction: object) -> int:

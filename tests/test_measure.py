@@ -368,27 +368,35 @@ def test_inputs_take_the_same_forms_as_apply() -> None:
 
 
 class OwnLoss(nn.Module):
-    """Returns its loss beside its logits, as a Hugging Face model given ``labels=``."""
+    """Returns its loss beside its logits, as a Hugging Face model given ``labels=``; only its
+    loss with ``logits=False``."""
 
-    def __init__(self, classes: int) -> None:
+    def __init__(self, classes: int, logits: bool = True) -> None:
         super().__init__()
         self.head = nn.Linear(16, classes)
+        self.logits = logits
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.head(x)
-        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+        loss = nn.functional.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits} if self.logits else {"loss": loss}
 
 
-def test_the_models_own_loss_is_the_default_and_its_logits_are_dropped() -> None:
+def test_the_models_own_loss_is_the_default_and_its_logits_are_held() -> None:
     torch.manual_seed(0)
     model = OwnLoss(classes=1000)
     batch = {"x": torch.randn(8, 16), "labels": torch.randint(0, 1000, (8,))}
-    dropped = measure(model, batch)
-    kept = measure(model, batch, loss_fn=lambda out: out["loss"])
-    # The same loss either way; a loop that holds the whole output keeps the logits through
-    # backward, one that keeps only ``.loss`` does not.
-    assert kept.saved_bytes - dropped.saved_bytes == 8 * 1000 * FLOAT
+    default = measure(model, batch)
+    # ``outputs = model(**batch); outputs["loss"].backward()``: the loop users run.
+    held = measure(model, batch, loss_fn=lambda out: out["loss"])
+    only_loss = OwnLoss(classes=1000, logits=False)
+    only_loss.load_state_dict(model.state_dict())
+    without = measure(only_loss, batch)
     assert default_loss(model(**batch)) is not None
+    assert default.saved_bytes == held.saved_bytes
+    assert default.peak_activation_bytes == held.peak_activation_bytes
+    # The logits are alive through backward: cross-entropy saves its log-softmax, not them.
+    assert default.saved_bytes - without.saved_bytes == 8 * 1000 * FLOAT
 
 
 def test_grad_accumulation_counts_the_weight_gradient_temporaries() -> None:

@@ -18,7 +18,8 @@ from torch import nn
 
 import autockpt
 from autockpt.planner import BUDGET_SLACK
-from tests.helpers import MODES, apply_at_fraction, assert_same_tensors, grads_of
+from tests.helpers import (MODES, apply_at_fraction, assert_same_tensors, grads_of,
+                           loop_peak_bytes)
 from tests.zoo import get_case
 
 SLACK = 1 + BUDGET_SLACK
@@ -164,6 +165,48 @@ def test_without_a_loss_the_estimate_is_never_optimistic() -> None:
     for fn in (autockpt.loss.sum_loss, loss_fn, lambda out: out.pow(2).mean()):
         measured = autockpt.measure(model, args, loss_fn=fn).peak_activation_bytes
         assert measured <= SLACK * assumed.baseline_peak_bytes
+
+
+class OwnLossGPT(nn.Module):
+    """:class:`GPT` returning its own loss beside its logits, as a Hugging Face model given
+    ``labels=`` does."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.gpt = GPT(vocab, seq=SEQ)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.gpt(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_models_own_loss_holds_the_rest_of_its_output(mode: str) -> None:
+    """``outputs = model(**batch); outputs["loss"].backward()`` holds the logits through
+    backward: the plan counts them (NOTE [ The loss node ]), so the budget holds for that loop
+    and for ``model(**batch)["loss"].backward()``, and ``measure`` measures the first."""
+    vocab = 1024  # the head whole, with room at half the baseline
+    torch.manual_seed(0)
+    model = OwnLossGPT(vocab).train()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    batch = {"ids": ids, "labels": torch.roll(ids, -1, dims=1)}
+    _, budget_bytes, ckpt = apply_at_fraction(model, 0.5, (), batch, mode=mode,
+                                              chunk_head=False)
+    assert ckpt is not None
+    plan = autockpt.plan_of(ckpt)
+    held = loop_peak_bytes(ckpt, batch, hold=True)
+    dropped = loop_peak_bytes(ckpt, batch, hold=False)
+    assert held >= dropped
+    for measured in (held, dropped):
+        assert measured <= SLACK * budget_bytes, (measured, budget_bytes)
+    assert abs(plan.estimated_peak_bytes - held) <= ESTIMATE_TOLERANCE * held, (
+        f"estimated {plan.estimated_peak_bytes} B, measured {held} B")
+    assert autockpt.measure(ckpt, (), example_kwargs=batch).peak_activation_bytes == held
+    assert plan.loss is not None and plan.loss.kind == "inner"
+    assert plan.loss.held == (("logits", BATCH * SEQ * vocab * 4),)
+    assert "its other outputs (logits 2.00 MiB) held through backward" in str(plan)
 
 
 def test_the_loss_is_planned_not_rewritten() -> None:
