@@ -20,6 +20,7 @@ from torch import nn
 from autockpt.capture import CAPTURES
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.loss import LossFn, check_loss_fn
+from autockpt.meta_device import forward_failed
 from autockpt.planner import MODES, STRATEGIES, Plan
 from autockpt.timing import COSTS
 from autockpt.pipeline import ApplyConfig, make_any_plan
@@ -432,12 +433,4 @@ def _with_context(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     except AutockptError:
         raise
     except Exception as err:
-        from autockpt.profile import describe_inputs
-
-        name = base_class(model).__name__
-        raise InvalidArgumentError(
-            f"{name}.forward failed on the example inputs ({describe_inputs(args, kwargs)}): "
-            f"{type(err).__name__}: {err}",
-            fix="check that the example inputs have the shapes and dtypes the model expects "
-            "(call model(*example_inputs) once to see the error in full)",
-        ) from err
+        raise forward_failed(model, args, kwargs, err, name=base_class(model).__name__) from err

@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch import nn
 
 from autockpt.errors import AutockptError, TraceError
+from autockpt.meta_device import MetaAutocastError
 from autockpt.instrument import rng_forked
 from autockpt.trace import (TraceSpec, TracedModel, base_class, bind_inputs, functions_applied,
                             functions_called, has_attr_path, shallow_view, trace)
@@ -346,6 +347,8 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         with _no_stack_traces(), contextlib.redirect_stderr(printed), \
                 functions_applied(inlined):
             exported = torch.export.export(view, (), dict(arguments), strict=False)
+    except MetaAutocastError:
+        raise  # the model cannot be planned on meta by any rung: said as it is
     except Exception as err:  # export raises many kinds; all mean "not exportable"
         fix = ("see the torch.export error above; autockpt.apply(..., capture='modules') "
                "checkpoints whole submodules without a graph")

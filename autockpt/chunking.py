@@ -56,6 +56,7 @@ from torch import nn
 
 from autockpt.capture import has_hooks
 from autockpt.errors import AutockptError
+from autockpt.meta_device import autocast_enabled
 from autockpt.stats import ChunkedHead, RowStretch
 from autockpt.trace import TracedModel
 from autockpt.units import format_names
@@ -688,7 +689,7 @@ class ChunkedRows:
         ``into``, the projection's parameter gradients are added into it in backward."""
         env = dict(env)
         env[self.head.stretch.source] = rows
-        autocast = torch.is_autocast_enabled(rows.device.type)
+        autocast = autocast_enabled(rows.device.type)  # planned on meta: no autocast there
         for step in self.steps:
             if step.projection is not None:
                 x, weight, bias, by_weight = step.projection

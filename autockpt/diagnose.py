@@ -98,6 +98,7 @@ from autockpt.loss import (
     default_loss,
     output_tensors,
 )
+from autockpt.meta_device import forward_failed, meta_parts
 from autockpt.planner import Segment
 from autockpt.profile import profile
 from autockpt.runner import SegmentObserver, SegmentRun, observe_segments
@@ -903,6 +904,10 @@ class _Session(SegmentObserver):
                 with OpWatch(watch):
                     output = self.root(*args, **kwargs)
             except Exception as err:
+                if (self.failed_call is None or self.function_failed) and meta_parts(
+                        self.root, args, kwargs):
+                    raise forward_failed(self.root, args, kwargs, err,
+                                         name=self.subject) from err
                 if self.failed_call is None or self.function_failed:
                     raise InvalidArgumentError(
                         f"{self.subject}.forward failed on the example inputs: "

@@ -420,7 +420,9 @@ class track_activation_memory:  # noqa: N801 - a context manager, named like tor
             return
         fake = self._fake and is_fake(tensor)
         device = tensor.device if fake else storage.device
-        if device.type == "meta":
+        # A real meta tensor holds no memory; a fake one on meta stands for the memory of a
+        # model planned on the meta device, in the replay of its plan.
+        if device.type == "meta" and not fake:
             return
         if self._device is not None and (
             device.type != self._device.type
@@ -959,11 +961,13 @@ def check_arguments(
 def _step_device(
     parameters: list[torch.Tensor], buffers: list[torch.Tensor], inputs: list[torch.Tensor]
 ) -> torch.device:
-    """The device the step runs on: the model's, else the inputs', else the CPU."""
-    for tensor in [*parameters, *buffers, *inputs]:
+    """The device the step runs on: the model's, else the inputs', else the meta device
+    where everything is on it (a fake step of a model planned there), else the CPU."""
+    everything = [*parameters, *buffers, *inputs]
+    for tensor in everything:
         if tensor.device.type != "meta":
             return tensor.device
-    return torch.device("cpu")
+    return torch.device("meta") if everything else torch.device("cpu")
 
 
 def _detach_non_leaf(tensor: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,7 @@ from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
                                  rng_forked, storage_key, tensors, watch_saved)
 from autockpt.loss import inner_loss, output_parts
+from autockpt.meta_device import MetaAutocastError, forward_failed
 from autockpt.planner import MODES, Plan, make_plan
 from autockpt.profile import describe_inputs
 from autockpt.runner import CheckpointedForward, SegmentRun, run_checkpointed
@@ -399,6 +400,8 @@ def profile_modules(module: nn.Module, args: tuple[Any, ...] = (),
         try:
             session, output = _run_fake(module, args, kwargs)
             fake = True
+        except MetaAutocastError:
+            raise  # a real forward on meta would enter the same autocast
         except Exception as err:  # noqa: BLE001 - fake tensors refuse data-dependent code in many ways
             notes.append(f"fake tensors could not run the forward ({type(err).__name__}: "
                          f"{_first_line(err)}); profiled one real forward, RNG and buffers "
@@ -453,10 +456,11 @@ def _run_real(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         # dropped, so profiling needs an inference forward's memory, not the step's.
         with rng_forked(module, args, kwargs), no_layer_dropped():
             output = session.run(lambda: module(*args, **kwargs), hold_saved=False)
+    except MetaAutocastError:
+        raise
     except Exception as err:
-        raise InvalidArgumentError(
-            f"{base_class(module).__name__}.forward failed on the example inputs "
-            f"({describe_inputs(args, kwargs)}): {type(err).__name__}: {err}",
+        raise forward_failed(
+            module, args, kwargs, err, name=base_class(module).__name__,
             fix="check that the example inputs have the shapes and dtypes the model expects",
         ) from err
     finally:

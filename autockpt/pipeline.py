@@ -32,6 +32,7 @@ from autockpt.capture import NoGraph, capture, hooked_modules
 from autockpt.chunking import chunk_rows, chunked_head, find_row_stretch
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.loss import LossFn
+from autockpt.meta_device import meta_autocast
 from autockpt.planner import Plan, make_plan
 from autockpt.profile import ProfileShare, profile
 from autockpt.replay import replay_blocks_peak_bytes, replay_peak_bytes
@@ -245,7 +246,9 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
     does)."""
     config = with_hooked_modules(module, config)
-    with paused():  # NOTE [ Planning with the collector paused ] in autockpt/_gc.py
+    # NOTE [ Planning with the collector paused ] in autockpt/_gc.py; NOTE [ Autocast on the
+    # meta device ] in autockpt/meta_device.py
+    with paused(), meta_autocast(module, args, kwargs):
         traced = capture(module, args, kwargs, config.capture, config.keep_whole)
         if isinstance(traced, NoGraph):
             return plan_blocks(module, args, kwargs, traced.reason, config).plan
@@ -554,7 +557,9 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     # A given plan is re-applied to a graph captured the way it was made.
     method = plan.capture if plan is not None else config.capture
     config = with_hooked_modules(module, config)
-    with paused():  # NOTE [ Planning with the collector paused ] in autockpt/_gc.py
+    # NOTE [ Planning with the collector paused ] in autockpt/_gc.py; NOTE [ Autocast on the
+    # meta device ] in autockpt/meta_device.py
+    with paused(), meta_autocast(module, args, kwargs):
         traced = capture(module, args, kwargs, method, config.keep_whole)
         if isinstance(traced, NoGraph):
             made = plan_blocks(module, args, kwargs, traced.reason, config)

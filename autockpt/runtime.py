@@ -29,6 +29,7 @@ from torch import fx, nn
 from autockpt import modules, pipeline
 from autockpt.capture import has_hooks
 from autockpt.errors import AutockptError, BudgetWarning
+from autockpt.meta_device import autocast_enabled
 # Modules pickled before the pipeline existed name autockpt.runtime.ApplyConfig.
 from autockpt.pipeline import ApplyConfig, BlockPlan
 from autockpt.planner import Plan
@@ -221,11 +222,7 @@ def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
     # bfloat16 autocast and reused without it (or the reverse) holds for the wrong sizes, and
     # a bf16 plan run in float32 overshoots its budget. Plan once per autocast setting.
     for device in sorted(devices):
-        try:
-            enabled = torch.is_autocast_enabled(device)
-        except RuntimeError:  # a device type autocast does not know, e.g. "meta"
-            enabled = False
-        if enabled:
+        if autocast_enabled(device):  # False for a device type autocast does not know
             key.append(("autocast", device, torch.get_autocast_dtype(device)))
     return tuple(key)
 
