@@ -37,21 +37,29 @@ Reentrant checkpoint's backward gets a zero tensor for each output that received
 output that requires grad: the parameters that feed only such an output (a value read by a
 dead branch, or returned by the model and ignored by the loss) got ``.grad`` full of zeros
 where the model without checkpointing leaves ``None``, so AdamW decayed them and DDP counted
-them as used. The runner tells the recompute which outputs those are. A pre-hook on the
+them as used. So the runner tells the recompute which outputs those are. A pre-hook on the
 checkpoint's backward node (it runs before the node materializes the zeros) records, in a
 cell of this checkpoint call, the outputs whose gradient is ``None``; the recompute, which
-runs inside that node's backward, returns them detached, so torch leaves them out of its
-inner backward. Where no output got a gradient (every consumer's backward returned ``None``)
-one output is handed back as a fresh leaf instead, since torch refuses a recompute with no
-output that requires grad: its zeros stop there, and every input and parameter gets
-``None``. A hook, not another autograd Function around the outputs: it adds no node and no
-output tensor (an output of a custom Function that returns an input as-is is a view that an
-in-place op after the segment may not modify), and the recompute frees the dead part of its
-graph when it returns instead of running backward through it. The forward and the memory
-it keeps are unchanged; the replay on fake tensors (:mod:`autockpt.replay`) runs the same
-runner, hooks included. Non-reentrant checkpoint needs none of this: its recompute only
-refills saved tensors, and the ordinary graph gives ``None`` where the original would.
-Under ``torch.compile`` nothing is hooked: the compiled checkpoint has no such node.
+runs inside that node's backward, returns them detached, and torch leaves them out of its
+inner backward.
+
+Torch refuses a recompute with no output that requires grad ("none of output has
+requires_grad=True"). None does when no output got a gradient (every consumer's backward
+returned ``None``), or when no output depends on anything that requires grad (a segment whose
+only trainable ops are a dead branch inside it, checkpointed for the memory that branch
+saves: torch raised there before). A scalar leaf expanded to one output's shape then stands
+in for that output: the gradient handed to it stops there, and every input and parameter
+gets ``None``, as without checkpointing.
+
+A hook rather than an autograd Function around the outputs: it adds no node and no output
+tensor (an output of a custom Function that returns its input as-is is a view that an
+in-place op after the segment may not modify), and nothing in the forward changes. The
+recompute frees the dead part of its graph when it returns instead of running a backward
+of zeros through it. The replay on fake tensors (:mod:`autockpt.replay`) runs the same
+runner, hooks included, so it still prices the step as it runs. Non-reentrant checkpoint
+needs none of this: its recompute only refills saved tensors, and the ordinary graph gives
+``None`` where the original does. Under ``torch.compile`` nothing is hooked: the compiled
+checkpoint has no such node.
 
 # NOTE [ Observing segments ]
 Tools that look at a step from outside (:func:`autockpt.diagnose`, the memory picture of
@@ -279,9 +287,9 @@ class _Unread:
     __slots__ = ("indices",)
 
     def __init__(self) -> None:
-        self.indices: tuple[int, ...] = ()
-        """Positions in the function's output tuple (0 for a single tensor); empty before
-        backward."""
+        self.indices: tuple[int, ...] | None = None
+        """Positions in the function's output tuple (0 for a single tensor); ``None`` until
+        the checkpoint's backward starts, so the forward's call is left alone."""
 
 
 def _watch_unread(out: Any, unread: _Unread) -> None:
@@ -306,31 +314,34 @@ def _watch_unread(out: Any, unread: _Unread) -> None:
 
 
 def _skipping_unread(fn: Callable[..., Any], unread: _Unread) -> Callable[..., Any]:
-    """``fn``, whose outputs that got no gradient come back detached (NOTE [ Outputs no
-    gradient reached ]); in the forward, before any backward, ``unread`` is empty."""
+    """``fn``, whose outputs that got no gradient come back detached from the recompute
+    (NOTE [ Outputs no gradient reached ])."""
 
     def run(*inputs: Any) -> Any:
         out = fn(*inputs)
-        if not unread.indices or torch.compiler.is_compiling():
+        if unread.indices is None or torch.compiler.is_compiling():
             return out
         single = isinstance(out, torch.Tensor)
         if not single and not isinstance(out, tuple):
             return out
         values = [out] if single else list(out)
-        dropped: list[int] = []
         live = False
         for i, value in enumerate(values):
             if not isinstance(value, torch.Tensor) or not value.requires_grad:
                 continue
             if i in unread.indices:
                 values[i] = value.detach()
-                dropped.append(i)
             else:
                 live = True
-        if dropped and not live:
-            # No gradient reached this checkpoint at all, and torch refuses a recompute with
-            # no output that requires grad: a leaf stops the zeros it is handed.
-            values[dropped[0]].requires_grad_()
+        if not live:
+            # Torch refuses a recompute without an output that requires grad; none does when
+            # no gradient reached the checkpoint, or when no output depends on anything that
+            # requires grad (the segment's only trainable ops are a dead branch inside it).
+            # A leaf stands in for one output and stops the gradient it is handed.
+            for i, value in enumerate(values):
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    values[i] = value.new_zeros(()).requires_grad_().expand(value.shape)
+                    break
         return values[0] if single else tuple(values)
 
     return run

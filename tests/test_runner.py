@@ -132,6 +132,10 @@ CASES = {
     # Every consumer hands back None: nothing reaches the checkpoint, yet its backward runs.
     "no gradient at all": (_outputs_with_a_number,
                            lambda layers, out: layers["after"](_NoGradBack.apply(out[0])).sum()),
+    # The output depends on nothing that requires grad; the trainable op inside is dead
+    # (torch's reentrant backward raised "none of output has requires_grad=True").
+    "nothing to differentiate": (lambda layers, x: (layers["unused"](x), torch.ones(4, 8))[1],
+                                 lambda layers, out: layers["after"](out).sum()),
     # An input handed back as it is, and unread, beside a used output.
     "input returned as is": (_returns_input_too,
                              lambda layers, out: out[1].square().sum()),
