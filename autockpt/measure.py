@@ -747,9 +747,11 @@ class _Step:
                      if self.optimizer is not None else None)
             tracker = track_activation_memory(exclude=exclude, device=self.device,
                                               fake=self.fake)
+            # Autograd calls the hook also where no gradient reached the leaf (an op's
+            # backward returned None for it): its ``.grad`` is then None, nothing to move.
             handles = [
                 leaf.register_post_accumulate_grad_hook(
-                    lambda leaf: tracker.reclassify(leaf.grad)  # type: ignore[arg-type]
+                    lambda leaf: None if leaf.grad is None else tracker.reclassify(leaf.grad)
                 )
                 for leaf in self.grad_leaves
                 if leaf.is_leaf

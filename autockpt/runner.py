@@ -31,6 +31,36 @@ gradient. Such a segment gets a scalar that requires grad as its first argument,
 function drops. The plan says which segments need it (:attr:`autockpt.planner.Segment.dummy_arg`
 for the graph rungs, :attr:`autockpt.modules.BlockSpec.dummy_arg` for the modules rung).
 
+# NOTE [ Outputs no gradient reached ]
+Reentrant checkpoint's backward gets a zero tensor for each output that received no gradient
+(autograd materializes them for a Python Function) and runs its inner backward on every
+output that requires grad: the parameters that feed only such an output (a value read by a
+dead branch, or returned by the model and ignored by the loss) got ``.grad`` full of zeros
+where the model without checkpointing leaves ``None``, so AdamW decayed them and DDP counted
+them as used. So the runner tells the recompute which outputs those are. A pre-hook on the
+checkpoint's backward node (it runs before the node materializes the zeros) records, in a
+cell of this checkpoint call, the outputs whose gradient is ``None``; the recompute, which
+runs inside that node's backward, returns them detached, and torch leaves them out of its
+inner backward.
+
+Torch refuses a recompute with no output that requires grad ("none of output has
+requires_grad=True"). None does when no output got a gradient (every consumer's backward
+returned ``None``), or when no output depends on anything that requires grad (a segment whose
+only trainable ops are a dead branch inside it, checkpointed for the memory that branch
+saves: torch raised there before). A scalar leaf expanded to one output's shape then stands
+in for that output: the gradient handed to it stops there, and every input and parameter
+gets ``None``, as without checkpointing.
+
+A hook rather than an autograd Function around the outputs: it adds no node and no output
+tensor (an output of a custom Function that returns its input as-is is a view that an
+in-place op after the segment may not modify), and nothing in the forward changes. The
+recompute frees the dead part of its graph when it returns instead of running a backward
+of zeros through it. The replay on fake tensors (:mod:`autockpt.replay`) runs the same
+runner, hooks included, so it still prices the step as it runs. Non-reentrant checkpoint
+needs none of this: its recompute only refills saved tensors, and the ordinary graph gives
+``None`` where the original does. Under ``torch.compile`` nothing is hooked: the compiled
+checkpoint has no such node.
+
 # NOTE [ Observing segments ]
 Tools that look at a step from outside (:func:`autockpt.diagnose`, the memory picture of
 :mod:`autockpt.plot`) need to know which checkpoint call is which segment, and when its
@@ -165,12 +195,17 @@ def run_checkpointed(
         if run.mode != "reentrant":
             return checkpoint(guarded, *inputs, use_reentrant=False,
                               preserve_rng_state=preserve_rng)
+        unread = _Unread()
+        target = _skipping_unread(guarded, unread)
         if not run.dummy_arg:
-            return checkpoint(guarded, *inputs, use_reentrant=True,
-                              preserve_rng_state=preserve_rng)
-        dummy = torch.empty((), device=_device_of(run.module, inputs), requires_grad=True)
-        return checkpoint(_drop_first(guarded), dummy, *inputs, use_reentrant=True,
-                          preserve_rng_state=preserve_rng)
+            out = checkpoint(target, *inputs, use_reentrant=True,
+                             preserve_rng_state=preserve_rng)
+        else:
+            dummy = torch.empty((), device=_device_of(run.module, inputs), requires_grad=True)
+            out = checkpoint(_drop_first(target), dummy, *inputs, use_reentrant=True,
+                             preserve_rng_state=preserve_rng)
+        _watch_unread(out, unread)
+        return out
     finally:
         for observer in observers:
             observer.segment_finished(run)
@@ -243,6 +278,73 @@ def _guarded(run: SegmentRun, fn: Callable[..., Any], buffers: Sequence[str],
                 owner._buffers[name] = original
 
     return guarded
+
+
+class _Unread:
+    """Which outputs of one reentrant checkpoint call got no gradient in the backward now
+    running (NOTE [ Outputs no gradient reached ])."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self) -> None:
+        self.indices: tuple[int, ...] | None = None
+        """Positions in the function's output tuple (0 for a single tensor); ``None`` until
+        the checkpoint's backward starts, so the forward's call is left alone."""
+
+
+def _watch_unread(out: Any, unread: _Unread) -> None:
+    """Hook the backward node of a reentrant checkpoint's outputs ``out`` so that it fills
+    ``unread`` before the recompute runs."""
+    if torch.compiler.is_compiling():
+        return
+    values = (out,) if isinstance(out, torch.Tensor) else out
+    if not isinstance(values, tuple):
+        return
+    node = next((v.grad_fn for v in values
+                 if isinstance(v, torch.Tensor) and v.grad_fn is not None), None)
+    if node is None:
+        return
+
+    def record(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        # A Python Function node has one gradient per output of its forward, non-tensors
+        # included, so positions are the output tuple's.
+        unread.indices = tuple(i for i, g in enumerate(grad_outputs) if g is None)
+
+    node.register_prehook(record)
+
+
+def _skipping_unread(fn: Callable[..., Any], unread: _Unread) -> Callable[..., Any]:
+    """``fn``, whose outputs that got no gradient come back detached from the recompute
+    (NOTE [ Outputs no gradient reached ])."""
+
+    def run(*inputs: Any) -> Any:
+        out = fn(*inputs)
+        if unread.indices is None or torch.compiler.is_compiling():
+            return out
+        single = isinstance(out, torch.Tensor)
+        if not single and not isinstance(out, tuple):
+            return out
+        values = [out] if single else list(out)
+        live = False
+        for i, value in enumerate(values):
+            if not isinstance(value, torch.Tensor) or not value.requires_grad:
+                continue
+            if i in unread.indices:
+                values[i] = value.detach()
+            else:
+                live = True
+        if not live:
+            # Torch refuses a recompute without an output that requires grad; none does when
+            # no gradient reached the checkpoint, or when no output depends on anything that
+            # requires grad (the segment's only trainable ops are a dead branch inside it).
+            # A leaf stands in for one output and stops the gradient it is handed.
+            for i, value in enumerate(values):
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    values[i] = value.new_zeros(()).requires_grad_().expand(value.shape)
+                    break
+        return values[0] if single else tuple(values)
+
+    return run
 
 
 def _drop_first(fn: Callable[..., Any]) -> Callable[..., Any]:

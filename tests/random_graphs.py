@@ -3,8 +3,11 @@
 A :class:`GraphSpec` is plain data (so hypothesis can draw and shrink it): a list of layers,
 each reading one or more earlier values (the inputs or earlier layers' outputs, skips of any
 length) and combining them (sum, concatenation, gating), then applying a linear layer, a norm,
-an activation or dropout. Some layers are frozen. :class:`RandomGraph` builds the module; its
-forward is plain Python that torch.fx traces into a graph with the same shape.
+an activation or dropout. Some layers are frozen. A value no layer reads reaches the loss
+(summed into the output), or, where the spec says so, it is a dead branch (computed, never read
+again) or an output the model returns beside its logits and the loss ignores
+(:data:`UNREAD`). :class:`RandomGraph` builds the module; its forward is plain Python that
+torch.fx traces into a graph with the same shape.
 
 This module deliberately does not import autockpt.
 """
@@ -27,6 +30,13 @@ COMBINES = ("sum", "cat", "gate")
 
 OPS = ("linear", "linear_relu", "norm", "tanh", "dropout", "mlp")
 """What a layer applies after combining its inputs."""
+
+UNREAD = ("loss", "dead", "returned")
+"""What becomes of a value no later layer reads (the last layer's excepted): it is added into
+the last layer's output, so that it reaches the loss as every branch of a real model does; it
+is dropped, a dead branch, so the parameters feeding only it get no gradient, nor do those
+feeding values that only dead layers read; or the model returns it after its logits, and the
+loss (:func:`cross_entropy`) ignores it."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +62,12 @@ class GraphSpec:
     inputs_require_grad: bool
     """Whether the example inputs require grad."""
     layers: tuple[LayerSpec, ...]
-    """The layers in order; the output is the last one's (plus every value nobody read)."""
+    """The layers in order; the output is the last one's (plus every value nobody read, as
+    :attr:`unread` says)."""
     batch: int
     """Rows of each input."""
+    unread: str = "loss"
+    """What becomes of a value no layer reads: one of :data:`UNREAD`."""
 
 
 class RandomGraph(nn.Module):
@@ -92,23 +105,30 @@ class RandomGraph(nn.Module):
             for i in layer.reads:
                 self.last_reader[i] = k
 
-    def forward(self, x0: Tensor, x1: Tensor | None = None, x2: Tensor | None = None) -> Tensor:
+    def forward(self, x0: Tensor, x1: Tensor | None = None, x2: Tensor | None = None
+                ) -> Tensor | tuple[Tensor, ...]:
         # Written so that Python holds no value longer than the traced graph does: each value
         # is dropped after its last reader, and each part as soon as it is combined. A list
         # holding every value would keep them all alive through the forward, and the model
         # runs this forward itself when nothing is checkpointed.
         values: list[Tensor | None] = [x0, x1, x2][: self.spec.inputs]
         unread: Tensor | None = None
+        returned: list[Tensor] = []
         for k in range(len(self.spec.layers)):
             h = self._layer(k, self._take(values, k))
             values.append(h)
-            # A value nobody reads still reaches the loss, as every branch of a real model does.
             if self.last_reader[self.spec.inputs + k] is None and k < len(self.spec.layers) - 1:
-                unread = values.pop() if unread is None else unread + values.pop()
+                value = values.pop()
                 values.append(None)
+                if self.spec.unread == "loss":
+                    unread = value if unread is None else unread + value
+                elif self.spec.unread == "returned":
+                    returned.append(value)
+                # "dead": dropped here, never read.
         out = values[-1]
         assert out is not None
-        return self.head(out if unread is None else out + unread)
+        logits = self.head(out if unread is None else out + unread)
+        return (logits, *returned) if self.spec.unread == "returned" else logits
 
     def _take(self, values: list[Tensor | None], k: int) -> list[Tensor]:
         """The values layer ``k`` reads, each dropped from ``values`` after its last reader."""
@@ -169,8 +189,9 @@ def cross_entropy(spec: GraphSpec):  # type: ignore[no-untyped-def]
     """The loss every test trains these models with."""
     labels = targets(spec)
 
-    def loss(out: Tensor) -> Tensor:
-        return F.cross_entropy(out, labels)
+    def loss(out: Tensor | tuple[Tensor, ...]) -> Tensor:
+        # The logits only: what a model returns beside them is no part of the loss.
+        return F.cross_entropy(out[0] if isinstance(out, tuple) else out, labels)
 
     return loss
 

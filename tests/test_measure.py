@@ -203,6 +203,36 @@ def test_parameters_grads_buffers_and_inputs_are_not_counted() -> None:
     assert report.saved_bytes <= 8 * SCALAR
 
 
+class _NoGradBack(torch.autograd.Function):
+    """The identity, whose backward hands its input no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        return None
+
+
+def test_a_parameter_no_gradient_reaches_is_measured_without_error() -> None:
+    """Autograd still calls a parameter's post-accumulate hook when an op's backward hands it
+    ``None``: measure's hook met a ``.grad`` of None there and raised."""
+
+    class Stopped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(_NoGradBack.apply(self.first(x)))
+
+    model = Stopped()
+    report = measure(model, (torch.randn(4, 8),))
+    assert report.peak_activation_bytes > 0
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_views_of_plain_tensor_attributes_are_not_counted() -> None:
     class WithTable(nn.Module):
         def __init__(self) -> None:
