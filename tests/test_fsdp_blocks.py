@@ -7,12 +7,13 @@ checkpointing with ``keep_whole`` naming the blocks, then sharded the way torcht
 the full gradients and the parameters equal the same FSDP2 setup without autockpt; each rank's
 measured activation peak stays within the budget's slack; a run saved at step 1 with
 ``CheckpointManager`` (DCP, one shard per rank) and resumed into fresh models ends where the
-uninterrupted run ends; with each block compiled before it is sharded, the same. Four processes do the same for the GPT on a 2-D mesh (HSDP: replicate x
-shard). Sharded after ``apply`` without ``keep_whole`` (the root sharded or not), the first
-forward plans again with the blocks kept whole and both models train as FSDP2 does without
-autockpt (``AUTOCKPT_FSDP_RUN=late``). In one process: a hook registered after ``apply`` on a kept module runs as often as
-without autockpt (plus the recompute); one on a module the graph traced into makes the next
-forward plan again with that module kept whole; and per-block ``torch.compile`` runs on top.
+uninterrupted run ends; with each block compiled before it is sharded, the same. Four
+processes do the same for the GPT on a 2-D mesh (HSDP: replicate x shard). Sharded after
+``apply`` without ``keep_whole`` (the root sharded or not), the first forward plans again with
+the blocks kept whole and both models train as FSDP2 does without autockpt
+(``AUTOCKPT_FSDP_RUN=late``). In one process: a hook registered after ``apply`` on a kept
+module runs as often as without autockpt (plus the recompute); one on a module the graph
+traced into makes the next forward plan again with that module kept whole; and per-block ``torch.compile`` runs on top.
 """
 
 from __future__ import annotations
