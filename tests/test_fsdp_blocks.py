@@ -13,7 +13,8 @@ processes do the same for the GPT on a 2-D mesh (HSDP: replicate x shard). Shard
 the blocks kept whole and both models train as FSDP2 does without autockpt
 (``AUTOCKPT_FSDP_RUN=late``). In one process: a hook registered after ``apply`` on a kept
 module runs as often as without autockpt (plus the recompute); one on a module the graph
-traced into makes the next forward plan again with that module kept whole; and per-block ``torch.compile`` runs on top.
+traced into makes the next forward plan again with that module kept whole; and per-block
+``torch.compile`` runs on top.
 """
 
 from __future__ import annotations
