@@ -52,7 +52,7 @@ from autockpt.trace import (TraceSpec, TracedModel, base_class, bind_inputs, fun
 from autockpt.units import format_names
 
 __all__ = ["CAPTURES", "RUNGS", "NoGraph", "capture", "export_trace", "has_hooks",
-           "hooked_modules", "trace_with_leaves"]
+           "hooked_modules", "trace_with_leaves", "unsharded_view"]
 
 RUNGS = ("fx", "export", "fx-leaves", "modules")
 """The ways of capturing a forward, in the order ``"auto"`` tries them."""
@@ -209,8 +209,73 @@ def _capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], m
 # without their hooks (a hook must not run on fake tensors). torch.export inlines every module,
 # so such a model is captured by torch.fx (with leaves) or by the modules rung. A hook added
 # after planning to a module the graph traced into is found at the next forward
-# (:func:`autockpt.runtime.inlined_modules`), which plans again with it kept whole, or raises
-# when that fails (blocks already sharded), never skipping it.
+# (:func:`autockpt.runtime.inlined_modules`), which plans again with it kept whole (blocks
+# already sharded too: NOTE [ Planning a sharded model ]), or raises ``AutockptError`` naming
+# ``keep_whole`` when that fails, never skipping it.
+
+
+# NOTE [ Planning a sharded model ]
+# torchtitan applies activation checkpointing first and then FSDP2's ``fully_shard`` to each
+# block and to the root, so the blocks' hooks are found at the first forward and the model is
+# planned again with the blocks kept whole. By then a sharded block holds DTensor parameters
+# (this rank's shard; the DTensor's own shape is the full one), and its hooks gather them in
+# a collective and free them again. Planning must neither run those hooks (a collective on
+# fake tensors, or parameters swapped under the profile) nor profile the shards. So the
+# stages before compiling run on :func:`unsharded_view`: the model's tree with each FSDP2
+# module replaced by a view of the class it had before ``fully_shard``, its hooks left out;
+# and a DTensor's fake copy is a plain fake tensor of its full shape
+# (:func:`autockpt.instrument.fake_copy`), what FSDP2 gathers for the block's forward. The
+# root's own parameters are already gathered then (its pre-hook ran: the replan happens in
+# its forward), or never sharded. The plan is compiled onto the transformed module itself,
+# whose calls of the blocks run FSDP2's hooks. Nothing runs for real on sharded parameters:
+# a forward that fake tensors cannot run, or ``cost="profile"`` timing, fails on the shards
+# and the forward raises ``AutockptError`` naming ``keep_whole`` instead (planned before
+# sharding, nothing of this is needed). Without FSDP2 modules the view is the model itself.
+
+
+def unsharded_view(module: nn.Module) -> nn.Module:
+    """``module`` as planning sees it: where its tree holds FSDP2 modules, a view of it in
+    which each is a view of its class before ``fully_shard``, with no hooks, and each module
+    on the path to one is a view too (NOTE [ Planning a sharded model ]); else ``module``.
+    The Parameters, buffers and other submodules are the very same objects.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> unsharded_view(net) is net
+        True
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module is None:
+        return module
+
+    def view_of(sub: nn.Module) -> nn.Module:
+        children = {name: view_of(child) for name, child in sub._modules.items()
+                    if child is not None}
+        sharded = isinstance(sub, fsdp_module)
+        if not sharded and all(children[name] is child for name, child in sub._modules.items()
+                               if child is not None):
+            return sub
+        view = shallow_view(sub, _class_before_sharding(sub, fsdp_module))
+        view._modules.update(children)
+        if sharded:
+            for hooks in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                          "_backward_hooks", "_forward_pre_hooks_with_kwargs",
+                          "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+                if isinstance(view.__dict__.get(hooks), dict):
+                    view.__dict__[hooks].clear()
+        return view
+
+    return view_of(module)
+
+
+def _class_before_sharding(module: nn.Module, fsdp_module: type) -> type[nn.Module]:
+    """The user's class of ``module``: the first module class of its MRO that ``fully_shard``
+    did not make, seen through autockpt's generated subclass (a block view's class is made
+    from the sharded class, so the user's class comes after it)."""
+    cls = next(c for c in type(module).__mro__
+               if issubclass(c, nn.Module) and not issubclass(c, fsdp_module))
+    return getattr(cls, "_autockpt_base", cls)
 
 
 def hooked_modules(module: nn.Module) -> tuple[str, ...]:

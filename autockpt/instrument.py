@@ -39,6 +39,7 @@ import contextlib
 import copy
 import functools
 import itertools
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, is_dataclass
@@ -46,7 +47,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import flop_counter as flop_formulas
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -61,7 +62,9 @@ __all__ = [
     "OpWatch",
     "FlopTally",
     "SavedTensors",
+    "fake_copy",
     "flop_counter",
+    "is_sharded",
     "leaves",
     "map_tensors",
     "run_with_state",
@@ -182,6 +185,32 @@ def is_fake(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a fake tensor (shapes and storages, no data): its storage is
     on the meta device and has no address, but lives and dies as a real one would."""
     return isinstance(tensor, FakeTensor)
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2's sharded parameters are), whose own shape is the
+    full one while it holds only this rank's shard."""
+    module = sys.modules.get("torch.distributed.tensor")  # not imported: no tensor is one
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def fake_copy(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    """``mode.from_tensor(tensor)``; a DTensor becomes a plain fake tensor of its full shape
+    on its shard's device instead (NOTE [ Planning a sharded model ] in
+    :mod:`autockpt.capture`): a fake DTensor would run DTensor's own ops, collectives
+    included, on the shard.
+
+    Example:
+        >>> mode = FakeTensorMode()
+        >>> fake_copy(mode, torch.ones(2, 3, requires_grad=True)).requires_grad
+        True
+    """
+    if not is_sharded(tensor):
+        return mode.from_tensor(tensor)
+    with mode:
+        fake = torch.empty_strided(tuple(tensor.shape), tensor.stride(), dtype=tensor.dtype,
+                                   device=tensor.device)
+    return fake.requires_grad_(tensor.requires_grad)
 
 
 def _reduced_losses() -> tuple[Any, ...]:

@@ -82,8 +82,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autockpt.errors import AutockptError, InvalidArgumentError
-from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, flop_counter, map_tensors,
-                                 rng_forked, storage_key, tensors, watch_saved)
+from autockpt.instrument import (LiveStorages, Op, OpObserver, OpWatch, fake_copy, flop_counter,
+                                 map_tensors, rng_forked, storage_key, tensors, watch_saved)
 from autockpt.loss import inner_loss, output_parts
 from autockpt.meta_device import MetaAutocastError, forward_failed
 from autockpt.planner import MODES, Plan, make_plan
@@ -423,7 +423,7 @@ def _run_fake(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> tuple[_Session, Any]:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     named = list(module.named_parameters()) + list(module.named_buffers())
-    fake_state = {name: fake_mode.from_tensor(t) for name, t in named}
+    fake_state = {name: fake_copy(fake_mode, t) for name, t in named}
     buffer_names = {storage_key(fake_state[n]): n for n, _ in module.named_buffers()}
 
     fake_args, fake_kwargs = map_tensors((args, kwargs), fake_mode.from_tensor)

@@ -28,7 +28,7 @@ from torch import nn
 from autockpt import modules
 from autockpt._gc import paused
 from autockpt.budget import DeviceBudget, device_budget
-from autockpt.capture import NoGraph, capture, hooked_modules
+from autockpt.capture import NoGraph, capture, hooked_modules, unsharded_view
 from autockpt.chunking import chunk_rows, chunked_head, find_row_stretch
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.loss import LossFn
@@ -246,6 +246,7 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
     does)."""
     config = with_hooked_modules(module, config)
+    module = unsharded_view(module)  # NOTE [ Planning a sharded model ] in autockpt/capture.py
     # NOTE [ Planning with the collector paused ] in autockpt/_gc.py; NOTE [ Autocast on the
     # meta device ] in autockpt/meta_device.py
     with paused(), meta_autocast(module, args, kwargs):
@@ -557,12 +558,15 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     # A given plan is re-applied to a graph captured the way it was made.
     method = plan.capture if plan is not None else config.capture
     config = with_hooked_modules(module, config)
+    # Captured and planned without FSDP2's hooks and shards, compiled onto the module itself,
+    # whose block calls run them (NOTE [ Planning a sharded model ] in autockpt/capture.py).
+    planning = unsharded_view(module)
     # NOTE [ Planning with the collector paused ] in autockpt/_gc.py; NOTE [ Autocast on the
     # meta device ] in autockpt/meta_device.py
-    with paused(), meta_autocast(module, args, kwargs):
-        traced = capture(module, args, kwargs, method, config.keep_whole)
+    with paused(), meta_autocast(planning, args, kwargs):
+        traced = capture(planning, args, kwargs, method, config.keep_whole)
         if isinstance(traced, NoGraph):
-            made = plan_blocks(module, args, kwargs, traced.reason, config)
+            made = plan_blocks(planning, args, kwargs, traced.reason, config)
             if plan is None:
                 return made
             modules.blocks_of_plan(made.profile, plan)  # a given plan must name these blocks
@@ -570,5 +574,5 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         if plan is not None and plan.chunked_head is not None:
             traced = chunk_rows(traced, plan.chunked_head)
         planned = (fit_plan(plan, traced) if plan is not None
-                   else plan_graph(module, traced, arguments, config))
+                   else plan_graph(planning, traced, arguments, config))
         return Compiled(planned, compile_plan(module, planned, variant_id))

@@ -34,8 +34,8 @@ from autockpt.errors import InvalidArgumentError
 from autockpt.capture import has_hooks
 from autockpt.fake_outputs import SHARED
 from autockpt.instrument import (FlopTally, LiveStorages, Op, OpObserver, OpWatch, SavedTensors,
-                                 map_tensors, run_with_state, storage_key, tensors, watch_saved,
-                                 widen_reduced_loss)
+                                 fake_copy, map_tensors, run_with_state, storage_key, tensors,
+                                 watch_saved, widen_reduced_loss)
 from autockpt.loss import LossFn, call_loss, inner_loss, output_parts
 from autockpt.shape_rules import SHAPE_RULES
 from autockpt.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
@@ -261,7 +261,7 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         # Tied parameters (shared embeddings) appear once here; functional_call re-ties them.
         named = list(gm.named_parameters()) + list(gm.named_buffers())
-        fake_state = {name: fake_mode.from_tensor(t) for name, t in named}
+        fake_state = {name: fake_copy(fake_mode, t) for name, t in named}
         param_keys = {storage_key(t) for t in fake_state.values()}
         buffer_names = {storage_key(fake_state[n]): n for n, _ in gm.named_buffers()}
 

@@ -58,8 +58,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autockpt.fake_outputs import SHARED
-from autockpt.instrument import (Op, OpObserver, OpWatch, is_fake, map_tensors, run_with_state,
-                                 tensors, widen_reduced_loss)
+from autockpt.instrument import (Op, OpObserver, OpWatch, fake_copy, is_fake, map_tensors,
+                                 run_with_state, tensors, widen_reduced_loss)
 from autockpt.loss import LossFn, planned_loss
 from autockpt.measure import PreservedState, make_step
 from autockpt.modules import ModuleProfile, installed, no_layer_dropped, python_draws_high
@@ -249,7 +249,7 @@ def _fake_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 def _fake(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
     if is_fake(tensor):
         return tensor
-    fake = mode.from_tensor(tensor)
+    fake = fake_copy(mode, tensor)
     if tensor.is_leaf and tensor.requires_grad != fake.requires_grad:
         fake.requires_grad_(tensor.requires_grad)
     return fake

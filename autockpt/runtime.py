@@ -16,6 +16,7 @@ needed ] there).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import warnings
 from collections import OrderedDict
@@ -169,6 +170,8 @@ class RuntimeState:
                     fix=f"pass keep_whole={hooked[:4]!r} (or a pattern such as 'layers.*') "
                     "to autockpt.apply, so that the first plan calls those modules whole",
                 ) from err
+            variant.plan = replace(variant.plan, notes=(
+                *variant.plan.notes, _replanned_note(module, hooked)))
             self.last_plan = variant.plan
             return variant
 
@@ -285,6 +288,21 @@ def inlined_modules(module: nn.Module, graph: fx.Graph) -> tuple[tuple[str, nn.M
 def _hooked(variant: _Variant) -> list[str]:
     """Submodules the program traced into that have hooks now (added after planning)."""
     return [name for name, sub in variant.inlined if has_hooks(sub)]
+
+
+def _replanned_note(module: nn.Module, hooked: list[str]) -> str:
+    """What the plan's printout says of a plan made again because of hooks added after the
+    first (NOTE [ Planning a sharded model ] in :mod:`autockpt.capture`)."""
+    shown = format_names([repr(name) for name in hooked])
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    sharded = fsdp is not None and any(isinstance(module.get_submodule(name), fsdp)
+                                       for name in hooked)
+    if sharded:
+        return (f"re-planned at the first forward: FSDP2's fully_shard put hooks on {shown} "
+                "after apply, so those modules are kept whole; profiled on fake tensors of the "
+                "sharded parameters' full shapes")
+    return (f"re-planned at the first forward: hooks were registered on {shown} after apply, "
+            "so those modules are kept whole")
 
 
 def _rebuild(base: type[nn.Module]) -> nn.Module:

@@ -7,10 +7,14 @@ checkpointing with ``keep_whole`` naming the blocks, then sharded the way torcht
 the full gradients and the parameters equal the same FSDP2 setup without autockpt; each rank's
 measured activation peak stays within the budget's slack; a run saved at step 1 with
 ``CheckpointManager`` (DCP, one shard per rank) and resumed into fresh models ends where the
-uninterrupted run ends; with each block compiled before it is sharded, the same. Four processes do the same for the GPT on a 2-D mesh (HSDP: replicate x
-shard). In one process: a hook registered after ``apply`` on a kept module runs as often as
-without autockpt (plus the recompute); one on a module the graph traced into makes the next
-forward plan again with that module kept whole; and per-block ``torch.compile`` runs on top.
+uninterrupted run ends; with each block compiled before it is sharded, the same. Four
+processes do the same for the GPT on a 2-D mesh (HSDP: replicate x shard). Sharded after
+``apply`` without ``keep_whole`` (the root sharded or not), the first forward plans again with
+the blocks kept whole and both models train as FSDP2 does without autockpt
+(``AUTOCKPT_FSDP_RUN=late``). In one process: a hook registered after ``apply`` on a kept
+module runs as often as without autockpt (plus the recompute); one on a module the graph
+traced into makes the next forward plan again with that module kept whole; and per-block
+``torch.compile`` runs on top.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from tests.train_scripts.setups_model import batch, build, loss_of
 
 WORKER = ROOT / "tests" / "train_scripts" / "fsdp_blocks.py"
 MODELS = ("gpt", "llama")
+KEEP = {"gpt": "layers.*", "llama": "model.layers.*"}
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +121,86 @@ def test_hsdp_on_a_two_by_two_mesh(tmp_path: Any) -> None:
                             exact=True)
 
 
+# ------------------------------------------------------- sharded after apply, no keep_whole
+
+LATE = [(name, keep, root) for name in MODELS for keep in (False, True) for root in (True, False)
+        if keep is False or root is False]
+"""(model, keep_whole given, root sharded too): the runs of ``AUTOCKPT_FSDP_RUN=late``; the
+blocks kept whole with the root sharded is the module fixture's run."""
+
+
+@pytest.fixture(scope="module")
+def late_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    pytest.importorskip("transformers")
+    directory = tmp_path_factory.mktemp("fsdp_late")
+    return run_workers(WORKER, 2, directory, timeout_s=600,
+                       env={"OMP_NUM_THREADS": "1", "AUTOCKPT_FSDP_RUN": "late"})
+
+
+KEPT = "\n  kept whole      "
+"""The header line of a plan that keeps module calls whole."""
+
+
+def _late_key(name: str, keep: bool, root: bool, mode: str) -> str:
+    return f"late/{name}/{'keep' if keep else 'inlined'}/{'root' if root else 'no_root'}/{mode}"
+
+
+def _without_budget_and_replan(plan: str) -> list[str]:
+    """A printed plan without its budget line (half of each run's own first baseline) and
+    without the note a plan made again adds."""
+    return [line for line in plan.splitlines()
+            if not line.startswith(("  budget ", "  note: re-planned at the first forward"))]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("name", "keep", "root"), LATE)
+def test_fully_shard_per_block_after_apply_trains_like_fsdp2(
+        late_results: list[dict[str, Any]], name: str, keep: bool, root: bool, mode: str) -> None:
+    """torchtitan's order (``apply``, then ``fully_shard`` on each block, then on the root or
+    not) on our GPT (torch.fx) and on Hugging Face Llama (torch.export at ``apply``): without
+    ``keep_whole`` the first forward plans again with the sharded blocks kept whole, on fake
+    parameters of their full shapes, and makes the very plan ``keep_whole`` makes before
+    sharding; two AdamW steps give FSDP2's gradients (every parameter, full tensors) and
+    parameters without autockpt, and the measured peak meets the budget."""
+    for rank in range(2):
+        out = late_results[rank][_late_key(name, keep, root, mode)]
+        assert "error" not in out, f"rank {rank}:\n{out.get('traceback')}"
+        if keep:
+            assert out["plan"] == out["first_plan"]
+        else:
+            assert KEPT not in out["first_plan"], out["first_plan"]
+            assert ("re-planned at the first forward: FSDP2's fully_shard put hooks on "
+                    f"'{KEEP[name].replace('*', '0')}'") in out["plan"], out["plan"]
+            # Profiled at the full shapes, not the shards': the plan apply makes with the
+            # blocks kept whole before anything is sharded.
+            before = late_results[rank][_late_key(name, True, False, mode)]["first_plan"]
+            assert _without_budget_and_replan(out["plan"]) == _without_budget_and_replan(before)
+        assert KEPT in out["plan"] and "checkpointed" in out["plan"], out["plan"]
+        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(out["plain_losses"]))
+        assert_same_tensors(out["grads"], out["plain_grads"], what=f"rank {rank} grad ",
+                            allow_none=True)
+        assert_same_tensors(out["params"], out["plain_params"], what=f"rank {rank} param ")
+        assert out["peak_bytes"] <= out["budget_bytes"] * (1 + BUDGET_SLACK), out["plan"]
+        assert out["peak_bytes"] < out["plain_peak_bytes"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_plan_that_cannot_be_made_again_when_sharded_names_keep_whole(
+        late_results: list[dict[str, Any]]) -> None:
+    """``cost="profile"`` times nodes on real tensors: once the blocks are sharded they are
+    not whole, so the first forward raises autockpt's error, naming ``keep_whole``, rather
+    than a torch error from inside FSDP2 or DTensor."""
+    for out in late_results:
+        error = out["late/gpt/timed"]["error"]
+        assert error.startswith("AutockptError: hooks were registered on 'layers.0'"), error
+        assert "keep_whole=['layers.0'" in error, error
+
+
 # --------------------------------------------------------------------------- one process
 
 
@@ -172,6 +257,8 @@ def test_a_hook_on_a_block_the_graph_traced_into_makes_it_plan_again() -> None:
         _counted_step(model)
     plan = autockpt.plan_of(transformed)
     assert plan.kept_whole == ("blocks.3",)
+    assert plan.notes[-1] == ("re-planned at the first forward: hooks were registered on "
+                              "'blocks.3' after apply, so those modules are kept whole"), plan
     assert counts == {"plain": 1, "autockpt": 1 + _recomputes(plan, 3)}, (counts, plan)
     assert_same_tensors({n: p.grad for n, p in transformed.named_parameters()},
                         {n: p.grad for n, p in reference.named_parameters()})

@@ -58,10 +58,13 @@ def train(wrapped: nn.Module, inner: nn.Module, micro: int = 1) -> dict[str, tor
 
 def compare(out: dict[str, Any], name: str, make: Callable[[bool], tuple[nn.Module, nn.Module]],
             micro: int = 1) -> None:
-    """Record both runs of a scenario, or the error the autockpt run raised."""
+    """Record both runs of a scenario and the plan the autockpt run ended with, or the error
+    the autockpt run raised."""
     out[name] = {"plain": train(*make(False), micro=micro)}
     try:
-        out[name]["autockpt"] = train(*make(True), micro=micro)
+        wrapped, inner = make(True)
+        out[name]["autockpt"] = train(wrapped, inner, micro=micro)
+        out[name]["plan"] = str(autockpt.plan_of(inner))
     except Exception as err:  # noqa: BLE001 - recorded for the test; the others go on
         out[name]["error"] = f"{type(err).__name__}: {err}"
 
@@ -95,7 +98,7 @@ def scenario_fsdp2(out: dict[str, Any]) -> None:
                 model = build()
                 if auto:
                     # torchtitan's order: activation checkpointing first, then sharding;
-                    # "blocks_inlined" forgets keep_whole, and must be refused.
+                    # "blocks_inlined" forgets keep_whole: the first forward plans again.
                     keep = "blocks.*" if label == "blocks" else ()
                     model = checkpointed(model, mode, keep_whole=keep)
                 if label.startswith("blocks"):

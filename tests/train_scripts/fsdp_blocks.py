@@ -7,7 +7,10 @@ replicate x shard): ``autockpt.apply`` at half the peak without checkpointing wi
 whole, then torchtitan's sharding (``fully_shard(block)`` for each block, then the root), three
 AdamW steps, against the same FSDP2 setup without autockpt; each rank's activation peak measured
 with the model sharded; and a save at step 1 (``CheckpointManager``, DCP) resumed by a fresh
-process-group state that trains on to step 3. Writes DIRECTORY/result-RANK.pt for
+process-group state that trains on to step 3. With ``AUTOCKPT_FSDP_RUN=late`` in the
+environment, instead: both models sharded per block after ``apply`` without ``keep_whole``
+(root sharded or not) and with it (root not sharded), two AdamW steps against FSDP2 without
+autockpt (:func:`late_scenario`). Writes DIRECTORY/result-RANK.pt for
 tests/test_fsdp_blocks.py.
 """
 
@@ -220,6 +223,82 @@ def compiled_scenario(out: dict[str, Any], name: str, mode: str) -> None:
                 "plain_params": snapshot(plain), "params": snapshot(model)}
 
 
+LATE = [(name, keep, root) for name in MODELS for keep in (False, True) for root in (True, False)
+        if keep is False or root is False]
+"""The runs with ``AUTOCKPT_FSDP_RUN=late``: each model sharded per block after ``apply``
+without ``keep_whole`` (root sharded or not), and with it and the root not sharded (with it
+and the root sharded is :func:`scenario`'s)."""
+
+
+def late_key(name: str, keep: bool, root: bool, mode: str) -> str:
+    return f"late/{name}/{'keep' if keep else 'inlined'}/{'root' if root else 'no_root'}/{mode}"
+
+
+def late_setup(name: str, mode: str | None, keep: bool, root: bool, cost: str = "flops"
+               ) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """:func:`setup` with ``keep_whole`` only where ``keep``, and ``fully_shard`` on the root
+    only where ``root`` (then each block is a root of its own, and the rest of the model is
+    neither sharded nor synchronised: each rank compares with its own twin)."""
+    build, batch, _, blocks = MODELS[name]
+    model, budget = build(), 0
+    if mode is not None:
+        options: dict[str, Any] = {"mode": mode, "keep_whole": KEEP[name] if keep else (),
+                                   "cost": cost}
+        budget = autockpt.plan(model, example_kwargs=batch(0),
+                               **options).baseline_peak_bytes // 2
+        model = autockpt.apply(model, budget / 2**20, example_kwargs=batch(0), **options)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks(model):
+        fully_shard(block, mesh=MESH)
+    if root:
+        fully_shard(model, mesh=MESH)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), budget
+
+
+def all_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's full gradient, None where it has none."""
+    return {n: None if p.grad is None else full(p.grad) for n, p in model.named_parameters()}
+
+
+def late_scenario(out: dict[str, Any], name: str, keep: bool, root: bool, mode: str) -> None:
+    """Two AdamW steps against the same FSDP2 setup without autockpt, the plan the first
+    forward made (or the error it raised), and each rank's activation peak of one more step
+    (as :func:`scenario` measures it)."""
+    key = late_key(name, keep, root, mode)
+    _, batch, loss_of, _ = MODELS[name]
+    plain, plain_opt, _ = late_setup(name, None, keep, root)
+    out[key] = {"plain_losses": train(name, plain, plain_opt, range(2)),
+                "plain_grads": all_grads(plain), "plain_params": snapshot(plain)}
+    model, optimizer, budget = late_setup(name, mode, keep, root)
+    out[key]["first_plan"] = str(autockpt.plan_of(model))
+    out[key]["budget_bytes"] = budget
+    try:
+        out[key]["losses"] = train(name, model, optimizer, range(2))
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        out[key]["error"] = f"{type(err).__name__}: {err}"
+        out[key]["traceback"] = traceback.format_exc()
+        return
+    out[key]["plan"] = str(autockpt.plan_of(model))
+    out[key]["grads"], out[key]["params"] = all_grads(model), snapshot(model)
+    for label, which in (("plain_peak_bytes", plain), ("peak_bytes", model)):
+        torch.manual_seed(7)
+        out[key][label] = autockpt.measure(which, (), example_kwargs=batch(99),
+                                           loss_fn=loss_of).peak_activation_bytes
+
+
+def late_timed_scenario(out: dict[str, Any]) -> None:
+    """``cost="profile"`` times the nodes on real tensors, which the sharded blocks are not
+    (NOTE [ Planning a sharded model ]): the first forward's plan cannot be made again, and
+    the error it raises is autockpt's own, naming ``keep_whole``."""
+    model, optimizer, _ = late_setup("gpt", "non_reentrant", False, True, cost="profile")
+    try:
+        train("gpt", model, optimizer, range(1))
+        out["late/gpt/timed"] = {"error": "no error"}
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        out["late/gpt/timed"] = {"error": f"{type(err).__name__}: {err}"}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=RANK,
@@ -233,12 +312,20 @@ def main() -> None:
         scenarios = [("gpt", "non_reentrant")]
     out: dict[str, Any] = {}
     try:
-        runs = [(scenario, name, mode, f"{name}/{mode}") for name, mode in scenarios]
+        runs: list[tuple[Callable[[], None], str]] = [
+            (lambda name=name, mode=mode: scenario(out, name, mode), f"{name}/{mode}")
+            for name, mode in scenarios]
         if WORLD == 2:
-            runs.append((compiled_scenario, "gpt", "non_reentrant", "gpt/non_reentrant/compiled"))
-        for run, name, mode, key in runs:
+            runs.append((lambda: compiled_scenario(out, "gpt", "non_reentrant"),
+                         "gpt/non_reentrant/compiled"))
+        if os.environ.get("AUTOCKPT_FSDP_RUN") == "late":
+            runs = [(lambda name=name, keep=keep, root=root, mode=mode: late_scenario(
+                out, name, keep, root, mode), late_key(name, keep, root, mode))
+                for name, keep, root in LATE for mode in MODES]
+            runs.append((lambda: late_timed_scenario(out), "late/gpt/timed"))
+        for run, key in runs:
             try:
-                run(out, name, mode)
+                run()
             except Exception as err:  # noqa: BLE001 - recorded for the test
                 out[key] = {"error": f"{type(err).__name__}: {err}",
                             "traceback": traceback.format_exc()}
