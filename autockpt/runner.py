@@ -30,6 +30,9 @@ trainable parameters whose inputs do not would silently leave those parameters w
 gradient. Such a segment gets a scalar that requires grad as its first argument, which its
 function drops. The plan says which segments need it (:attr:`autockpt.planner.Segment.dummy_arg`
 for the graph rungs, :attr:`autockpt.modules.BlockSpec.dummy_arg` for the modules rung).
+Under ``torch.compile`` no dummy is made: dynamo traces the call into checkpoint's
+higher-order op, whose backward reaches the parameters whatever the inputs, and it graph-breaks
+on a tensor created with ``requires_grad=True`` (every segment after it would run uncompiled).
 
 # NOTE [ Outputs no gradient reached ]
 Reentrant checkpoint's backward gets a zero tensor for each output that received no gradient
@@ -197,7 +200,10 @@ def run_checkpointed(
                               preserve_rng_state=preserve_rng)
         unread = _Unread()
         target = _skipping_unread(guarded, unread)
-        if not run.dummy_arg:
+        if not run.dummy_arg or torch.compiler.is_compiling():
+            # Under torch.compile the checkpoint is traced into a higher-order op whose
+            # backward reaches the parameters whatever the inputs, so the dummy is not needed,
+            # and dynamo cannot create a tensor that requires grad inside the graph.
             out = checkpoint(target, *inputs, use_reentrant=True,
                              preserve_rng_state=preserve_rng)
         else:
