@@ -5,10 +5,35 @@ Example:
     >>> net = torch.nn.Sequential(*[m for _ in range(16)
     ...                             for m in (torch.nn.Linear(512, 512), torch.nn.ReLU())])
     >>> ckpt = autockpt.apply(net, budget_mb=1.5, example_inputs=(torch.randn(64, 512),))
+
+One package per stage: :mod:`autockpt.capturing` (a graph of the forward),
+:mod:`autockpt.profiling` (what each op costs), :mod:`autockpt.planning` (which segments to
+checkpoint), :mod:`autockpt.running` (the transformed model, and measuring a step), beside
+:mod:`autockpt.ops` (watching the ops a forward runs), :mod:`autockpt.tools` (diagnose, lint,
+plot, the command line) and :mod:`autockpt.training` (training checkpoints). The public API is
+the names below.
 """
 
+import sys
+
+from autockpt import _aliases
 from autockpt.api import apply, plan, plan_of
-from autockpt.budget import DeviceBudget
+from autockpt.errors import (
+    AutockptError,
+    BudgetWarning,
+    CheckpointError,
+    InfeasibleBudgetError,
+    InvalidArgumentError,
+    TraceError,
+)
+from autockpt.planning.budget import DeviceBudget
+from autockpt.planning.planner import STRATEGIES, Plan, Segment
+from autockpt.profiling.loss import WithLoss, with_loss
+from autockpt.running.measure import MemoryReport, measure, track_activation_memory
+from autockpt.tools.diagnose import diagnose
+from autockpt.tools.findings import Finding, Report
+from autockpt.tools.lint import lint
+from autockpt.tools.plot import MemoryCurves, draw_memory, memory_curves, plot_memory
 from autockpt.training import (
     CheckpointFallbackWarning,
     CheckpointManager,
@@ -22,21 +47,6 @@ from autockpt.training import (
     load_state_dict,
     save_checkpoint,
 )
-from autockpt.diagnose import diagnose
-from autockpt.errors import (
-    AutockptError,
-    BudgetWarning,
-    CheckpointError,
-    InfeasibleBudgetError,
-    InvalidArgumentError,
-    TraceError,
-)
-from autockpt.findings import Finding, Report
-from autockpt.lint import lint
-from autockpt.loss import WithLoss, with_loss
-from autockpt.measure import MemoryReport, measure, track_activation_memory
-from autockpt.planner import STRATEGIES, Plan, Segment
-from autockpt.plot import MemoryCurves, draw_memory, memory_curves, plot_memory
 
 __version__ = "0.1.0"
 
@@ -80,3 +90,5 @@ __all__ = [
     "track_activation_memory",
     "with_loss",
 ]
+
+_aliases.install(sys.modules[__name__])  # the module paths before the stages had packages

@@ -17,15 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.capture import CAPTURES
+from autockpt.capturing.ladder import CAPTURES
+from autockpt.capturing.meta import forward_failed
+from autockpt.capturing.trace import base_class
 from autockpt.errors import AutockptError, InvalidArgumentError
-from autockpt.loss import LossFn, check_loss_fn
-from autockpt.meta_device import forward_failed
-from autockpt.planner import MODES, STRATEGIES, Plan
-from autockpt.timing import COSTS
 from autockpt.pipeline import ApplyConfig, make_any_plan
+from autockpt.planning.planner import MODES, STRATEGIES, Plan
+from autockpt.profiling.loss import LossFn, check_loss_fn
+from autockpt.profiling.timing import COSTS
 from autockpt.runtime import is_checkpointed, make_checkpointed
-from autockpt.trace import base_class
 
 __all__ = ["apply", "plan", "plan_of"]
 

@@ -3,13 +3,13 @@
 One driver for what :func:`autockpt.plan` and the first training forward of a transformed
 module both do. Each stage hands the next a typed result:
 
-1. :func:`autockpt.capture.capture` -> a :class:`~autockpt.trace.TracedModel`, or
-   :class:`~autockpt.capture.NoGraph` when no rung of the ladder gives a graph;
+1. :func:`autockpt.capturing.ladder.capture` -> a :class:`~autockpt.capturing.trace.TracedModel`, or
+   :class:`~autockpt.capturing.ladder.NoGraph` when no rung of the ladder gives a graph;
 2. :func:`plan_graph` (profile on fake tensors, optionally time, plan) -> a
    :class:`GraphPlan`; or :func:`plan_blocks` (the modules rung: hooks, blocks, plan) -> a
    :class:`BlockPlan`; a plan given by the user is checked against the graph by
    :func:`fit_plan` instead;
-3. :func:`compile_plan` -> a :class:`~autockpt.rewrite.Program`, the code the runtime runs
+3. :func:`compile_plan` -> a :class:`~autockpt.running.rewrite.Program`, the code the runtime runs
    (with its plan, a :class:`Compiled`).
 
 :func:`build` runs them for one input signature; :mod:`autockpt.runtime` only keeps and runs
@@ -25,21 +25,24 @@ from typing import Any
 
 from torch import nn
 
-from autockpt import modules
-from autockpt._gc import paused
-from autockpt.budget import DeviceBudget, device_budget
-from autockpt.capture import NoGraph, capture, hooked_modules, unsharded_view
-from autockpt.chunking import chunk_rows, chunked_head, find_row_stretch
+from autockpt.capturing.ladder import NoGraph, capture, hooked_modules, unsharded_view
+from autockpt.capturing.meta import meta_autocast
+from autockpt.capturing.trace import TracedModel, base_class, bind_inputs, shallow_view
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
-from autockpt.loss import LossFn
-from autockpt.meta_device import meta_autocast
-from autockpt.planner import Plan, make_plan
-from autockpt.profile import ProfileShare, profile
-from autockpt.replay import replay_blocks_peak_bytes, replay_peak_bytes
-from autockpt.rewrite import Program, compile_onto, graph_fingerprint
-from autockpt.stats import LOSS_OP, ChunkedHead, Profile, RowStretch
-from autockpt.timing import time_nodes
-from autockpt.trace import TracedModel, base_class, bind_inputs, shallow_view
+from autockpt.planning.blocks import blocks_of_plan, plan_modules
+from autockpt.planning.budget import DeviceBudget, device_budget
+from autockpt.planning.gc import paused
+from autockpt.planning.head import chunked_head, find_row_stretch
+from autockpt.planning.planner import Plan, make_plan
+from autockpt.profiling.blocks import ModuleProfile, profile_modules
+from autockpt.profiling.loss import LossFn
+from autockpt.profiling.profile import ProfileShare, profile
+from autockpt.profiling.stats import LOSS_OP, ChunkedHead, Profile, RowStretch
+from autockpt.profiling.timing import time_nodes
+from autockpt.running.blocks import suspended
+from autockpt.running.head import chunk_rows
+from autockpt.running.replay import replay_blocks_peak_bytes, replay_peak_bytes
+from autockpt.running.rewrite import Program, compile_onto, graph_fingerprint
 from autockpt.units import format_bytes
 
 __all__ = [
@@ -70,25 +73,25 @@ class ApplyConfig:
     fixed_plan: Plan | None = None
     """A plan given by the user: applied as it is to every input size."""
     capture: str = "auto"
-    """How to capture the forward (see :data:`autockpt.capture.CAPTURES`)."""
+    """How to capture the forward (see :data:`autockpt.capturing.ladder.CAPTURES`)."""
     cost: str = "flops"
-    """The recompute cost model (see :data:`autockpt.timing.COSTS`)."""
+    """The recompute cost model (see :data:`autockpt.profiling.timing.COSTS`)."""
     loss_fn: LossFn | None = None
     """The user's loss, priced with the model (NOTE [ The loss node ] in
-    :mod:`autockpt.profile`); ``None``: the default (NOTE [ The default loss ])."""
+    :mod:`autockpt.profiling.profile`); ``None``: the default (NOTE [ The default loss ])."""
     grad_accumulation: bool = False
     """Plan for steps in which the parameters' ``.grad`` already exists."""
     total_bytes: int | None = None
     """A budget for the whole device; the activation budget is what the step's fixed memory
-    leaves of it (:func:`autockpt.budget.device_budget`)."""
+    leaves of it (:func:`autockpt.planning.budget.device_budget`)."""
     optimizer: Any = None
     """The optimizer whose state ``total_bytes`` counts."""
     keep_whole: tuple[str, ...] = ()
     """Qualified names of submodules whose calls stay module calls (NOTE [ Module calls kept
-    whole ] in :mod:`autockpt.capture`)."""
+    whole ] in :mod:`autockpt.capturing.ladder`)."""
     chunk_head: bool = True
     """Whether the plan may run the head and a cross-entropy in chunks of rows (NOTE [ The
-    head in chunks of rows ] in :mod:`autockpt.chunking`)."""
+    head in chunks of rows ] in :mod:`autockpt.planning.head`)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class BlockPlan:
 
     plan: Plan
     """The plan, over the chain of :attr:`profile`."""
-    profile: modules.ModuleProfile
+    profile: ModuleProfile
     """The profile whose blocks the plan checkpoints."""
 
 
@@ -138,11 +141,11 @@ def plan_blocks(
     budget_bytes, device = resolve_budget(module, args, kwargs, config)
     # The user's forward on the user's class, with the twin's block views running plainly.
     view = shallow_view(module)
-    with modules.suspended(view), _whole_device(device):
-        prof = modules.profile_modules(view, args, kwargs)
+    with suspended(view), _whole_device(device):
+        prof = profile_modules(view, args, kwargs)
 
         def planned_for(budget: int | None) -> Plan:
-            return modules.plan_modules(prof, budget, strategy=config.strategy,
+            return plan_modules(prof, budget, strategy=config.strategy,
                                         mode=config.mode,
                                         grad_accumulation=config.grad_accumulation)
 
@@ -150,7 +153,7 @@ def plan_blocks(
         # prices whole blocks from one forward, and a non-reentrant plan of Hugging Face
         # BART's (capture="modules", both budgets at half the baseline) measured 9-11% above
         # it. A forward fake tensors cannot run is replayed for real (NOTE [ A real replay
-        # where fake tensors cannot run ] in autockpt/replay.py).
+        # where fake tensors cannot run ] in autockpt/running/replay.py).
         plan = _replanned(planned_for, lambda plan: replay_blocks_peak_bytes(
             view, prof, plan, args, kwargs, loss_fn=config.loss_fn,
             grad_accumulation=config.grad_accumulation), budget_bytes, real=not prof.fake)
@@ -232,7 +235,7 @@ def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
 def with_hooked_modules(module: nn.Module, config: ApplyConfig) -> ApplyConfig:
     """``config`` with the submodules that have hooks now added to ``keep_whole`` (NOTE
-    [ Module calls kept whole ] in :mod:`autockpt.capture`), in ``named_modules`` order."""
+    [ Module calls kept whole ] in :mod:`autockpt.capturing.ladder`), in ``named_modules`` order."""
     hooked = set(hooked_modules(module))
     if hooked <= set(config.keep_whole):
         return config
@@ -246,9 +249,9 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
     does)."""
     config = with_hooked_modules(module, config)
-    module = unsharded_view(module)  # NOTE [ Planning a sharded model ] in autockpt/capture.py
-    # NOTE [ Planning with the collector paused ] in autockpt/_gc.py; NOTE [ Autocast on the
-    # meta device ] in autockpt/meta_device.py
+    module = unsharded_view(module)  # NOTE [ Planning a sharded model ] in autockpt/capturing/ladder.py
+    # NOTE [ Planning with the collector paused ] in autockpt/pipeline.py; NOTE [ Autocast on the
+    # meta device ] in autockpt/capturing/meta.py
     with paused(), meta_autocast(module, args, kwargs):
         traced = capture(module, args, kwargs, config.capture, config.keep_whole)
         if isinstance(traced, NoGraph):
@@ -263,7 +266,7 @@ def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any]
     recompute by time. Where the graph ends in a head and a cross-entropy that act on each
     row, the same graph with that stretch in chunks of rows is planned too, and the plan that
     fits at the least cost (or, with no budget, reaches the least memory) is kept (NOTE
-    [ The head in chunks of rows ] in :mod:`autockpt.chunking`)."""
+    [ The head in chunks of rows ] in :mod:`autockpt.planning.head`)."""
     budget_bytes, device = resolve_budget(module, (), arguments, config)
     inputs = dict(zip(traced.spec.param_names, traced.graph_inputs(arguments)))
     # Non-reentrant mode only: under reentrant segments (BART, float64) a chunked head sent
@@ -391,7 +394,7 @@ def _replanned(planned_for: Callable[[int | None], Plan], peak_of: Callable[[Pla
     """The plan for ``budget_bytes`` whose replayed peak fits it: the model's plan for the
     budget, whose replayed peak becomes its estimate; one replayed above the budget is planned
     again under a budget lowered by the excess, and the least-memory plan is the last resort
-    (NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.replay`). Without a budget,
+    (NOTE [ Replaying a plan on fake tensors ] in :mod:`autockpt.running.replay`). Without a budget,
     the least-memory plan, replayed. The least reachable a plan reports is the least-memory
     plan's replayed peak where that plan was replayed (without a budget, or when the plan is
     that plan), else the model's estimate of it.
@@ -559,17 +562,17 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     method = plan.capture if plan is not None else config.capture
     config = with_hooked_modules(module, config)
     # Captured and planned without FSDP2's hooks and shards, compiled onto the module itself,
-    # whose block calls run them (NOTE [ Planning a sharded model ] in autockpt/capture.py).
+    # whose block calls run them (NOTE [ Planning a sharded model ] in autockpt/capturing/ladder.py).
     planning = unsharded_view(module)
-    # NOTE [ Planning with the collector paused ] in autockpt/_gc.py; NOTE [ Autocast on the
-    # meta device ] in autockpt/meta_device.py
+    # NOTE [ Planning with the collector paused ] in autockpt/pipeline.py; NOTE [ Autocast on the
+    # meta device ] in autockpt/capturing/meta.py
     with paused(), meta_autocast(planning, args, kwargs):
         traced = capture(planning, args, kwargs, method, config.keep_whole)
         if isinstance(traced, NoGraph):
             made = plan_blocks(planning, args, kwargs, traced.reason, config)
             if plan is None:
                 return made
-            modules.blocks_of_plan(made.profile, plan)  # a given plan must name these blocks
+            blocks_of_plan(made.profile, plan)  # a given plan must name these blocks
             return BlockPlan(plan, made.profile)
         if plan is not None and plan.chunked_head is not None:
             traced = chunk_rows(traced, plan.chunked_head)

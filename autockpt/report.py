@@ -13,8 +13,8 @@ from autockpt.units import format_bytes, format_flops, format_names
 # __str__; this module needs their types for annotations only, so it imports them for type
 # checkers alone and at run time depends on nothing but units: the import graph runs one way.
 if TYPE_CHECKING:
-    from autockpt.findings import Report
-    from autockpt.planner import Plan, Segment
+    from autockpt.planning.planner import Plan, Segment
+    from autockpt.tools.findings import Report
 
 __all__ = ["PLAN_COLUMNS", "PLAN_COLUMNS_RIGHT", "format_findings", "format_plan", "format_table",
            "loss_summary",
@@ -156,7 +156,7 @@ def loss_summary(plan: Plan) -> str:
         if loss.name != "output.loss":
             return f"the model's own ({loss.name})"
         # Everything the model returns is held through backward (NOTE [ The loss node ] in
-        # autockpt.profile): the line names it, and why the logits are not among it.
+        # autockpt.profiling.profile): the line names it, and why the logits are not among it.
         chunks = "the head runs in chunks" if plan.chunked_head is not None else ""
         if loss.held:
             parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in loss.held)
@@ -190,7 +190,7 @@ def _step_lines(plan: Plan) -> list[str]:
 
 def plan_rows(plan: Plan) -> list[tuple[Segment, list[str]]]:
     """One row of cells (see :data:`PLAN_COLUMNS`) per stretch of the graph, in graph order,
-    each with the :class:`~autockpt.planner.Segment` it describes.
+    each with the :class:`~autockpt.planning.planner.Segment` it describes.
 
     Example:
         >>> import torch, autockpt
@@ -252,7 +252,7 @@ def format_findings(report: Report, *, width: int = 96) -> str:
     first), then each finding's explanation and fix.
 
     Example:
-        >>> from autockpt.findings import Finding, Report
+        >>> from autockpt.tools.findings import Finding, Report
         >>> print(format_findings(Report((Finding("AC006", "warning", "train.py:3",
         ...     "checkpoint() is called without use_reentrant.",
         ...     "checkpoint(fn, x, use_reentrant=False)"),), subject="train.py")))

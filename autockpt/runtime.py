@@ -8,7 +8,7 @@ result *is a* ``MyNet``, holds the very same submodules and Parameter objects, a
 At the first training forward with a new input signature the stages run
 (:func:`autockpt.pipeline.build`); the state keeps what they return, per signature, and runs it.
 
-Each checkpointed segment runs through :func:`autockpt.runner.run_checkpointed`, the runner the
+Each checkpointed segment runs through :func:`autockpt.running.runner.run_checkpointed`, the runner the
 modules rung shares (NOTE [ Recompute must not update buffers twice ] and NOTE [ RNG only where
 needed ] there).
 """
@@ -27,16 +27,19 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autockpt import modules, pipeline
-from autockpt.capture import has_hooks
+from autockpt import pipeline
+from autockpt.capturing.ladder import has_hooks
+from autockpt.capturing.meta import autocast_enabled
+from autockpt.capturing.trace import base_class, bind_inputs, generated_subclass, shallow_view
 from autockpt.errors import AutockptError, BudgetWarning
-from autockpt.meta_device import autocast_enabled
+
 # Modules pickled before the pipeline existed name autockpt.runtime.ApplyConfig.
 from autockpt.pipeline import ApplyConfig, BlockPlan
-from autockpt.planner import Plan
-from autockpt.rewrite import Program
-from autockpt.runner import CheckpointedForward, run_segment
-from autockpt.trace import base_class, bind_inputs, generated_subclass, shallow_view
+from autockpt.planning.planner import Plan
+from autockpt.profiling.blocks import ModuleProfile
+from autockpt.running.blocks import install
+from autockpt.running.rewrite import Program
+from autockpt.running.runner import CheckpointedForward, run_segment
 from autockpt.units import format_names
 
 __all__ = [
@@ -70,7 +73,7 @@ class _Variant:
     ``None``: one input per name in :attr:`param_names`."""
     unflatten: Callable[[Any], Any] | None = None
     """Rebuilds the forward's output from what the program returns; ``None``: as it is."""
-    blocks: modules.ModuleProfile | None = None
+    blocks: ModuleProfile | None = None
     """The ``"modules"`` rung: the profile whose blocks the plan checkpoints (no program)."""
     inlined: tuple[tuple[str, nn.Module], ...] = ()
     """The submodules the program runs the ops of instead of calling them
@@ -87,7 +90,7 @@ class _Variant:
             state: RuntimeState = module.__dict__["_autockpt"]
             if state.installed is not self:
                 # The block views of the twin checkpoint what this variant's plan chose.
-                modules.install(module, self.blocks, self.plan)
+                install(module, self.blocks, self.plan)
                 state.installed = self
             return base_class(module).forward(module, *args, **kwargs)
         assert self.program is not None
@@ -154,7 +157,7 @@ class RuntimeState:
     def replan_for_hooks(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                          arguments: dict[str, Any], stale: _Variant) -> _Variant:
         """Plan again with the submodules that got hooks after planning kept whole (NOTE
-        [ Module calls kept whole ] in :mod:`autockpt.capture`): running the old program
+        [ Module calls kept whole ] in :mod:`autockpt.capturing.ladder`): running the old program
         would skip their hooks."""
         hooked = _hooked(stale)
         with self._lock:
@@ -274,7 +277,7 @@ def _warn_if_accumulating(module: nn.Module, state: RuntimeState) -> None:
 def inlined_modules(module: nn.Module, graph: fx.Graph) -> tuple[tuple[str, nn.Module], ...]:
     """``(name, submodule)`` for each submodule of ``module`` that ``graph`` does not call:
     neither a ``call_module`` target nor inside one (NOTE [ Module calls kept whole ] in
-    :mod:`autockpt.capture`)."""
+    :mod:`autockpt.capturing.ladder`)."""
     called = {str(node.target) for node in graph.nodes if node.op == "call_module"}
 
     def is_called(name: str) -> bool:
@@ -292,7 +295,7 @@ def _hooked(variant: _Variant) -> list[str]:
 
 def _replanned_note(module: nn.Module, hooked: list[str]) -> str:
     """What the plan's printout says of a plan made again because of hooks added after the
-    first (NOTE [ Planning a sharded model ] in :mod:`autockpt.capture`)."""
+    first (NOTE [ Planning a sharded model ] in :mod:`autockpt.capturing.ladder`)."""
     shown = format_names([repr(name) for name in hooked])
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     sharded = fsdp is not None and any(isinstance(module.get_submodule(name), fsdp)

@@ -52,14 +52,14 @@ from typing import Any
 import torch
 from torch import nn
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import autockpt  # noqa: E402
-from autockpt.loss import LossFn  # noqa: E402
-from autockpt.instrument import flop_counter  # noqa: E402
-from autockpt.report import format_table  # noqa: E402
 from models import MODELS, BenchLoss, Blocks, make_loss, sqrt_segments  # noqa: E402
+
+import autockpt  # noqa: E402
+from autockpt.ops.instrument import flop_counter  # noqa: E402
+from autockpt.profiling.loss import LossFn  # noqa: E402
+from autockpt.report import format_table  # noqa: E402
 
 MIB = 2**20
 

@@ -68,10 +68,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The repository's root, for the skip-connection models the tests build (tests/skip_models.py).
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-import autockpt  # noqa: E402
-from autockpt.report import format_table  # noqa: E402
 from compare import device_info, missing_package, parse_device, synchronize  # noqa: E402
 from models import LOSSES, MODELS, Blocks, gpt, make_loss, resnet50  # noqa: E402
+
+import autockpt  # noqa: E402
+from autockpt.report import format_table  # noqa: E402
 from tests import skip_models  # noqa: E402
 
 MIB = 2**20

@@ -47,9 +47,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-
 import autockpt  # noqa: E402
-from autockpt.instrument import flop_counter  # noqa: E402
+from autockpt.ops.instrument import flop_counter  # noqa: E402
 from autockpt.report import format_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

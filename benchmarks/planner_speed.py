@@ -18,7 +18,7 @@ model is reported apart: fake tensors cache each op's result by shapes, so later
 same model are faster. A model whose package
 is missing is skipped. The slowest is printed last; the target is 3 s each on a 2-core CPU.
 
-**Planner alone** (``--planner``): ``make_plan`` on a ready :class:`~autockpt.stats.Profile`
+**Planner alone** (``--planner``): ``make_plan`` on a ready :class:`~autockpt.profiling.stats.Profile`
 (building the chain of stages and running the strategy; no tracing or profiling), for graphs
 of 100 to 10,000 nodes in two families:
 
@@ -57,12 +57,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import gpt, resnet50
 
 import autockpt
-from autockpt.chain import build_chain
-from autockpt.planner import make_plan
-from autockpt.profile import profile
+from autockpt.capturing.trace import bind_inputs, trace
+from autockpt.planning.chain import build_chain
+from autockpt.planning.planner import make_plan
+from autockpt.profiling.profile import profile
+from autockpt.profiling.stats import NodeStat, Profile, StorageStat
 from autockpt.report import format_table
-from autockpt.stats import NodeStat, Profile, StorageStat
-from autockpt.trace import bind_inputs, trace
 
 MIB = 2**20
 SIZES = (100, 500, 1000, 2000, 5000, 10000)
@@ -188,8 +188,8 @@ def corpus(repeat: int, names: list[str] | None = None, mode: str = "non_reentra
     all): the first call for the model, which finds torch's fake-tensor caches cold for its op
     shapes (what a user waits for), and the median of the later ones, split by stage (in
     reentrant mode the rest includes the replay of the plan on fake tensors)."""
-    from autockpt.capture import capture
-    from autockpt.trace import TracedModel
+    from autockpt.capturing.ladder import capture
+    from autockpt.capturing.trace import TracedModel
 
     # torch's fake-tensor machinery is set up by the first plan of the process; not counted.
     autockpt.plan(torch.nn.Linear(2, 2), (torch.randn(1, 2),))

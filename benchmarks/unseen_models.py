@@ -36,7 +36,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autockpt  # noqa: E402
-from autockpt.planner import BUDGET_SLACK  # noqa: E402
+from autockpt.planning.planner import BUDGET_SLACK  # noqa: E402
 from tests.helpers import assert_same_step, assert_same_step_in_float64, train_step  # noqa: E402
 from tests.models import test_skip_connections as skip  # noqa: E402
 from tests.models.test_skip_connections import SkipCase  # noqa: E402

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-
 from collections.abc import Callable
 
 import torch

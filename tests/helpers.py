@@ -193,7 +193,7 @@ def loop_peak_bytes(model: nn.Module, batch: Mapping[str, Any], *, hold: bool) -
     ``model(**batch).loss.backward()`` (the output dropped as soon as ``.loss`` is read).
     Counted as :func:`autockpt.measure` counts: parameters, buffers and inputs excluded, each
     parameter gradient reclassified as it is accumulated, from ``zero_grad()``."""
-    from autockpt.measure import track_activation_memory
+    from autockpt.running.measure import track_activation_memory
 
     model.train()
     model.zero_grad(set_to_none=True)

@@ -14,8 +14,13 @@ import torch
 from torch import Tensor
 
 import autockpt
-from tests.helpers import (MODES, assert_same_case_step, assert_same_step, assert_same_tensors,
-                           train_step)
+from tests.helpers import (
+    MODES,
+    assert_same_case_step,
+    assert_same_step,
+    assert_same_tensors,
+    train_step,
+)
 from tests.zoo import CASES, ZooCase, clone_case
 
 # Fractions of the estimated no-checkpoint peak; None asks for the least memory reachable and

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import autockpt
-from autockpt.planner import BUDGET_SLACK
+from autockpt.planning.planner import BUDGET_SLACK
 from tests.helpers import apply_at_fraction
 from tests.zoo import CASES, ZooCase, get_case
 

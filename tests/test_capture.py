@@ -18,10 +18,16 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.capture import NoGraph, capture
-from autockpt.planner import BUDGET_SLACK
-from tests.helpers import (MODES, assert_same_case_step, assert_same_step, assert_same_tensors,
-                           grads_of, train_step)
+from autockpt.capturing.ladder import NoGraph, capture
+from autockpt.planning.planner import BUDGET_SLACK
+from tests.helpers import (
+    MODES,
+    assert_same_case_step,
+    assert_same_step,
+    assert_same_tensors,
+    grads_of,
+    train_step,
+)
 from tests.test_modules import BranchyNet
 from tests.zoo import ZooCase, clone_case, flatten_output
 
@@ -273,7 +279,7 @@ def test_stack_traces_are_switched_off_only_where_torch_has_the_switch(
     # absence is shown to the helper alone, on a stand-in config.
     from types import SimpleNamespace
 
-    from autockpt.capture import _no_stack_traces
+    from autockpt.capturing.ladder import _no_stack_traces
 
     old = SimpleNamespace()
     monkeypatch.setattr(torch.fx, "config", old)
@@ -361,7 +367,7 @@ def test_a_failed_export_prints_no_partial_graph(capsys: pytest.CaptureFixture[s
     """torch.export prints the partial graph of a data-dependent failure to stderr; the
     modules rung then plans the model anyway, so the user saw a screen of generated code for
     nothing. The error's own message says why export failed."""
-    from autockpt.capture import export_trace
+    from autockpt.capturing.ladder import export_trace
     from autockpt.errors import TraceError
 
     with pytest.raises(TraceError, match="torch.export could not export _LayerDrop"):
@@ -401,7 +407,7 @@ class _GeluMLP(nn.Module):
 @pytest.mark.parametrize("rung", ["fx", "export"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_custom_autograd_function_stays_whole(mode: str, rung: str) -> None:
-    """NOTE [ Custom autograd Functions stay whole ] in autockpt/trace.py: traced into, the
+    """NOTE [ Custom autograd Functions stay whole ] in autockpt/capturing/trace.py: traced into, the
     Function's eight elementwise ops each saved a tensor for autograd's backward, and the
     plan put the graph's baseline at 2.5x the model's measured peak. Kept as
     one call, by torch.fx and by torch.export, the graph's baseline is the model's, and
@@ -475,7 +481,7 @@ def test_tracing_leaves_autograd_function_apply_as_it_was() -> None:
     autockpt.plan(nn.Sequential(_GeluMLP()), (torch.randn(4, 16),), capture="fx")
     autockpt.plan(nn.Sequential(_GeluMLP()), (torch.randn(4, 16),), capture="export")
     with pytest.raises(TraceError):
-        autockpt.capture.trace(BranchyNet(), (torch.randn(4, 16),))
+        autockpt.capturing.ladder.trace(BranchyNet(), (torch.randn(4, 16),))
     assert inspect.getattr_static(torch.autograd.Function, "apply") is before
     x = torch.randn(3, requires_grad=True)
     _TanhGelu.apply(x).sum().backward()
@@ -498,7 +504,7 @@ class _DrawsInForward(nn.Module):
 
 
 def test_a_random_draw_with_no_traced_argument_is_not_kept_in_an_fx_graph() -> None:
-    """NOTE [ A random draw while tracing ] in autockpt/trace.py: torch.fx traced the
+    """NOTE [ A random draw while tracing ] in autockpt/capturing/draws.py: torch.fx traced the
     branches of one draw into the graph, which then skipped the same layers in every step.
     Refused, and the random stream left as it was by every rung tried."""
     model = _DrawsInForward()
@@ -537,7 +543,7 @@ class _DrawsInPython(nn.Module):
 
 @pytest.mark.parametrize("draw", ["numpy", "python"])
 def test_a_draw_with_pythons_random_numbers_is_not_kept_in_a_graph(draw: str) -> None:
-    """NOTE [ Python's random numbers while tracing ] in autockpt/capture.py: fx and export
+    """NOTE [ Python's random numbers while tracing ] in autockpt/capturing/ladder.py: fx and export
     ran the draw once and kept its branches; both are refused, the modules rung is left,
     and the generators are where they were."""
     import random

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.data import DataLoader
 
+from autockpt.errors import AutockptError, CheckpointError, InvalidArgumentError
 from autockpt.training import (
     CheckpointFallbackWarning,
     CheckpointManager,
@@ -31,7 +32,6 @@ from autockpt.training import (
     load_state_dict,
     save_checkpoint,
 )
-from autockpt.errors import AutockptError, CheckpointError, InvalidArgumentError
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

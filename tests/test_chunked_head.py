@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autockpt
-from autockpt.instrument import flop_counter
+from autockpt.ops.instrument import flop_counter
 from tests.helpers import MODES, assert_same_tensors, grads_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.capture import capture
-from autockpt.chain import build_chain
-from autockpt.profile import profile
-from autockpt.timing import time_nodes
-from autockpt.trace import trace
+from autockpt.capturing.ladder import capture
+from autockpt.capturing.trace import trace
+from autockpt.planning.chain import build_chain
+from autockpt.profiling.profile import profile
+from autockpt.profiling.timing import time_nodes
 from tests.helpers import assert_same_tensors, buffers_of, grads_of
 
 
@@ -55,7 +55,7 @@ def test_time_nodes_times_compute_nodes_in_graph_order(method: str) -> None:
     net, x = _net(), torch.randn(16, 32)
     net.eval()  # the run is in train mode; the caller's flags come back
     traced = capture(net, (x,), {}, method)
-    assert not isinstance(traced, autockpt.capture.NoGraph)
+    assert not isinstance(traced, autockpt.capturing.ladder.NoGraph)
     inputs = dict(zip(traced.spec.param_names, traced.graph_inputs({"input": x})))
     buffers = {k: v.clone() for k, v in net.named_buffers()}
     versions = {k: v._version for k, v in net.named_buffers()}

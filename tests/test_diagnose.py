@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import autockpt
 from autockpt import runner
-from autockpt.findings import CODES, Finding, Report
+from autockpt.tools.findings import CODES, Finding, Report
 from tests.helpers import assert_same_tensors, buffers_of, grads_of, params_of
 from tests.zoo import CASES, ZooCase, get_case
 
@@ -761,11 +761,11 @@ def _named_in_ac003(report: Report, model: nn.Module) -> set[str]:
 
 
 def test_default_loss_is_the_models_own_loss() -> None:
-    # The same default as measure and plan (autockpt.loss.default_loss): the step trains on
+    # The same default as measure and plan (autockpt.profiling.loss.default_loss): the step trains on
     # output["loss"], as model(x)["loss"].backward() does, not on every output.
     model = OwnLossNet()
     output = model(_x())
-    assert autockpt.loss.default_loss(output) is output["loss"]
+    assert autockpt.profiling.loss.default_loss(output) is output["loss"]
     truth = _without_grad(model, lambda out: out["loss"])
     assert truth == {"probe.weight", "probe.bias"}  # "scale" does get a gradient
     report = autockpt.diagnose(model, (_x(),))
@@ -790,7 +790,7 @@ def test_named_losses(name: str) -> None:
     model = OwnLossNet()
     # Whatever the named loss reaches, diagnose reports what a real step with it leaves out;
     # cross_entropy and mse read the logits of a mapping output, so "scale" is left out.
-    truth = _without_grad(model, autockpt.loss.named_loss(name))
+    truth = _without_grad(model, autockpt.profiling.loss.named_loss(name))
     if name != "sum":
         assert truth == {"scale"}
     report = autockpt.diagnose(model, (_x(),), loss_fn=name)

@@ -3,7 +3,7 @@ case at the least memory, at half the baseline and with no checkpointing, in bot
 real loss (one that sends an output-sized gradient into every output) planned and measured.
 
 In reentrant mode the plan's estimate is its step replayed on fake tensors (NOTE [ Replaying a
-plan on fake tensors ] in autockpt/replay.py); the tests of single faults of the memory model
+plan on fake tensors ] in autockpt/running/replay.py); the tests of single faults of the memory model
 check the model's own estimate, :attr:`~autockpt.Plan.modelled_peak_bytes`, by which the
 search chooses."""
 
@@ -28,7 +28,7 @@ SLOW = {"mlp72", "densenet_block", "resnet", "generator"}
 def squares(output: Any) -> torch.Tensor:
     """``mean(t**2)`` summed over the floating-point outputs that require grad: every output
     gets an output-sized gradient, as from a real loss."""
-    tensors = [t for t in autockpt.loss.output_tensors(output)
+    tensors = [t for t in autockpt.profiling.loss.output_tensors(output)
                if t.is_floating_point() and t.requires_grad]
     return torch.stack([t.float().square().mean() for t in tensors]).sum()
 

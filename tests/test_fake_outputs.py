@@ -1,4 +1,4 @@
-"""NOTE [ Fake outputs from an op's first run ] in autockpt/fake_outputs.py: an op answered from
+"""NOTE [ Fake outputs from an op's first run ] in autockpt/ops/fake_outputs.py: an op answered from
 the memo gives what the op gives on fake tensors (shape, strides, dtype, device, storage offset
 and size of every output, and which argument's storage a view shares); what the memo must not
 remember runs every time; and profiles and replays are the same with the memo as without."""
@@ -13,13 +13,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from autockpt import fake_outputs
-from autockpt.capture import capture
-from autockpt.fake_outputs import FakeOutputs
-from autockpt.instrument import FlopTally, OpObserver, OpWatch, tensors
-from autockpt.planner import make_plan
-from autockpt.profile import profile
-from autockpt.replay import replay_peak_bytes
-from autockpt.trace import bind_inputs
+from autockpt.capturing.ladder import capture
+from autockpt.capturing.trace import bind_inputs
+from autockpt.ops.fake_outputs import FakeOutputs
+from autockpt.ops.instrument import FlopTally, OpObserver, OpWatch, tensors
+from autockpt.planning.planner import make_plan
+from autockpt.profiling.profile import profile
+from autockpt.running.replay import replay_peak_bytes
 from tests.zoo import CASES, ZooCase
 
 aten = torch.ops.aten
@@ -168,8 +168,8 @@ def test_profiles_and_replays_with_and_without_the_memo_agree(
     model, traced, inputs = _profiled(case)
     memo = FakeOutputs()
     monkeypatch.setattr(fake_outputs, "SHARED", memo)
-    monkeypatch.setattr("autockpt.profile.SHARED", memo)
-    monkeypatch.setattr("autockpt.replay.SHARED", memo)
+    monkeypatch.setattr("autockpt.profiling.profile.SHARED", memo)
+    monkeypatch.setattr("autockpt.running.replay.SHARED", memo)
     memo.enabled = False
     plain = profile(traced, inputs)
     plan = make_plan(plain, None, mode="reentrant")

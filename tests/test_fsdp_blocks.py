@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import autockpt
-from autockpt.planner import BUDGET_SLACK
+from autockpt.planning.planner import BUDGET_SLACK
 from tests.helpers import MODES, ROOT, assert_same_tensors, run_workers
 from tests.train_scripts.setups_model import batch, build, loss_of
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import autockpt
-from autockpt.findings import Finding, Report
-from autockpt.lint import LintSyntaxError, source_with_flag
+from autockpt.tools.findings import Finding, Report
+from autockpt.tools.lint import LintSyntaxError, source_with_flag
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,11 +16,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 # The package exports the function autockpt.measure, which shadows the module of that name.
-measure_module = importlib.import_module("autockpt.measure")
+measure_module = importlib.import_module("autockpt.running.measure")
 units_module = importlib.import_module("autockpt.units")
 from autockpt.errors import AutockptError, InvalidArgumentError
-from autockpt.loss import default_loss
-from autockpt.measure import MemoryReport, measure, track_activation_memory
+from autockpt.profiling.loss import default_loss
+from autockpt.running.measure import MemoryReport, measure, track_activation_memory
 from autockpt.units import format_bytes
 
 BATCH = 16

@@ -1,7 +1,7 @@
 """Planning on the meta device ("Will it fit on my GPU?"): Hugging Face decoders from small
 configs, a model that enters ``torch.autocast`` with its tensors' device type on every rung,
 the error for an autocast that is on, and torch's autocast untouched afterwards (NOTE
-[ Autocast on the meta device ] in autockpt/meta_device.py)."""
+[ Autocast on the meta device ] in autockpt/capturing/meta.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.meta_device import MetaAutocastError, meta_autocast
+from autockpt.capturing.meta import MetaAutocastError, meta_autocast
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""Module-level planning (autockpt.modules) on models torch.fx cannot trace.
+"""Module-level planning (autockpt.running.blocks) on models torch.fx cannot trace.
 
 Each model is trained one step through the rung (profile, plan, install into a twin) and
 compared with an identically seeded copy that runs without checkpointing: loss, every
@@ -23,17 +23,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
-from autockpt import modules
-from autockpt.modules import (
-    blocks_of_plan,
-    build,
-    install,
-    is_installed,
-    plan_modules,
-    profile_modules,
-)
-from autockpt.planner import BUDGET_SLACK
-from autockpt.trace import shallow_view
+from autockpt.capturing.trace import shallow_view
+from autockpt.planning.blocks import blocks_of_plan, build, plan_modules
+from autockpt.planning.planner import BUDGET_SLACK
+from autockpt.profiling import blocks as profiled_blocks
+from autockpt.profiling.blocks import profile_modules
+from autockpt.running.blocks import install, is_installed
 from tests.helpers import MODES, assert_same_step, budget_for, live_tensors, train_step
 
 BUDGETS = (1.0, 0.5, "min")
@@ -154,7 +149,7 @@ class _TwoStacks(nn.Module):
 
 
 def test_the_layers_of_two_stacks_of_one_class_are_the_blocks() -> None:
-    """NOTE [ Stacks of layers ] in autockpt/modules.py: the two stacks were the blocks, so
+    """NOTE [ Stacks of layers ] in autockpt/profiling/blocks.py: the two stacks were the blocks, so
     the least memory checkpointed a whole stack at a time. The residual blocks' own linear
     layers (repeated parts of a block) do not make them stacks."""
     torch.manual_seed(0)
@@ -169,7 +164,7 @@ def test_the_layers_of_two_stacks_of_one_class_are_the_blocks() -> None:
 
 
 def test_blocks_of_an_encoder_and_a_decoder_are_both_found() -> None:
-    """NOTE [ Blocks in sibling subtrees ] in autockpt/modules.py: the search went down into
+    """NOTE [ Blocks in sibling subtrees ] in autockpt/profiling/blocks.py: the search went down into
     one of the two stacks only, and the other was never checkpointed."""
     model = _encdec()
     args, kwargs = _encdec_inputs()
@@ -278,7 +273,7 @@ def test_fake_profile_of_a_traceable_model_matches_real_sizes() -> None:
 @pytest.mark.parametrize("fake", [True, False])
 def test_profile_leaves_no_tensor_alive(fake: bool) -> None:
     """The profile's forward is never run backward: its autograd graph must die with it
-    (NOTE [ Saved tensors held from C++ ] in autockpt/instrument.py). KwNet calls ``.item()``,
+    (NOTE [ Saved tensors held from C++ ] in autockpt/ops/instrument.py). KwNet calls ``.item()``,
     so its forward runs for real: a leak there kept real activations."""
     torch.manual_seed(0)
     model = nn.Sequential(*[ResidualMLP(32) for _ in range(4)]) if fake else KwNet()
@@ -478,8 +473,8 @@ def test_a_layer_dropped_at_random_is_still_planned_and_priced(draw: str) -> Non
     """NOTE [ A random scalar in a real forward ]: whatever the random streams, every layer
     is a block and the estimate is the step that keeps them all, the most any step takes;
     the streams are left where they were. (A graph would keep the branches its trace drew:
-    NOTE [ A random draw while tracing ] in autockpt/trace.py, NOTE [ Python's random numbers
-    while tracing ] in autockpt/capture.py.)"""
+    NOTE [ A random draw while tracing ] in autockpt/capturing/draws.py, NOTE [ Python's random numbers
+    while tracing ] in autockpt/capturing/ladder.py.)"""
     torch.manual_seed(0)
     model = _LayerDrop(draw)
     x = torch.randn(64, 32, requires_grad=True)  # a step that drops every layer has a backward
@@ -509,7 +504,7 @@ def test_a_real_profile_takes_an_inference_forwards_memory(
     """Nothing runs backward through the real forward a profile needs (``if h.sum() > 0``):
     what autograd saves is counted and dropped at once, so profiling no longer holds a
     training forward's activations, and the profile is the one holding them gave."""
-    from autockpt.measure import track_activation_memory
+    from autockpt.running.measure import track_activation_memory
 
     model = _branchy()
     x = torch.randn(2048, 16)
@@ -519,8 +514,8 @@ def test_a_real_profile_takes_an_inference_forwards_memory(
     assert not dropped.fake
     assert t.peak_bytes < forward_peak / 3, (t.peak_bytes, forward_peak)
 
-    run = modules._Session.run
-    monkeypatch.setattr(modules._Session, "run",
+    run = profiled_blocks._Session.run
+    monkeypatch.setattr(profiled_blocks._Session, "run",
                         lambda self, fn, hold_saved=True: run(self, fn, hold_saved=True))
     with track_activation_memory(exclude=[*model.parameters(), *model.buffers(), x]) as t:
         held = profile_modules(model, (x,))

@@ -15,14 +15,19 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
-from autockpt.chain import build_chain
-from autockpt.memory_model import (MemoryModel, as_tree, estimate_peak, estimate_tree_peak,
-                                   tree_depth)
-from autockpt.optimal import optimal_ranges
-from autockpt.planner import make_plan
-from autockpt.profile import profile
+from autockpt.capturing.trace import trace
+from autockpt.planning.chain import build_chain
+from autockpt.planning.memory_model import (
+    MemoryModel,
+    as_tree,
+    estimate_peak,
+    estimate_tree_peak,
+    tree_depth,
+)
+from autockpt.planning.optimal import optimal_ranges
+from autockpt.planning.planner import make_plan
+from autockpt.profiling.profile import profile
 from autockpt.report import plan_rows
-from autockpt.trace import trace
 from tests.helpers import Step, assert_same_step, assert_same_tensors, grads_of, train_step
 from tests.zoo import get_case
 

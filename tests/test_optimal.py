@@ -5,20 +5,27 @@ and at ``budget=None`` its peak equals the least reachable peak."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
-from autockpt.chain import (Chain, Cut, ForwardPeaks, LongLived, Passing, Stage,
-                            build_chain)
-from autockpt.memory_model import Ranges, as_tree, estimate_peak, model_of, recompute_cost
-from autockpt.optimal import optimal_ranges
-from autockpt.planner import _optimal
-from autockpt.profile import profile
-from autockpt.trace import trace
+from autockpt.capturing.trace import trace
+from autockpt.planning.chain import (
+    Chain,
+    Cut,
+    ForwardPeaks,
+    LongLived,
+    Passing,
+    Stage,
+    build_chain,
+)
+from autockpt.planning.memory_model import Ranges, as_tree, estimate_peak, model_of, recompute_cost
+from autockpt.planning.optimal import optimal_ranges
+from autockpt.planning.planner import _optimal
+from autockpt.profiling.profile import profile
 
 
 def all_ranges(chain: Chain) -> Iterator[Ranges]:

@@ -1,5 +1,5 @@
 """The exact search under a plan's own estimate (NOTE [ An exact search under the plan's own
-estimate ] in autockpt.plan_search): on chains small enough to enumerate every single-level
+estimate ] in autockpt.planning.search): on chains small enough to enumerate every single-level
 plan, with long-lived and passing storages, what it finds is what brute force over
 ``estimate_peak`` finds, with no budget and under budgets, in both modes; the planner's plans
 are those; and where the search gives up, the planner keeps its local search."""
@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-import autockpt.plan_search as plan_search
-from autockpt.chain import Chain
-from autockpt.memory_model import START, estimate_peak, model_of, recompute_cost
-from autockpt.plan_search import search_plan
-from autockpt.planner import _descend, _optimal
-from autockpt.optimal import optimal_ranges
+import autockpt.planning.search as plan_search
+from autockpt.planning.chain import Chain
+from autockpt.planning.memory_model import START, estimate_peak, model_of, recompute_cost
+from autockpt.planning.optimal import optimal_ranges
+from autockpt.planning.planner import _descend, _optimal
+from autockpt.planning.search import search_plan
 from tests.test_optimal import _with_passing, all_ranges, random_chain
 
 MODES = ("non_reentrant", "reentrant")

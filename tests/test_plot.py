@@ -17,7 +17,7 @@ import torch
 
 import autockpt
 from autockpt import cli
-from autockpt.plot import MemoryCurves, SegmentSpan
+from autockpt.tools.plot import MemoryCurves, SegmentSpan
 from tests import cli_models
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """The profiler's shortcuts give what its probes measure.
 
 NOTE [ Backwards known without a probe ], NOTE [ One forward for the node and its probe ] and
-the in-place rule of NOTE [ Probing without copies ] in autockpt/profile.py skip work; here
+the in-place rule of NOTE [ Probing without copies ] in autockpt/profiling/profile.py skip work; here
 each shortcut is turned off and the profile of the same graph must come out the same, node
 for node.
 """
@@ -16,10 +16,10 @@ from torch import nn
 
 import autockpt
 from autockpt import profile as profile_module
-from autockpt.capture import capture
-from autockpt.profile import profile
-from autockpt.stats import Profile
-from autockpt.trace import bind_inputs
+from autockpt.capturing.ladder import capture
+from autockpt.capturing.trace import bind_inputs
+from autockpt.profiling.profile import profile
+from autockpt.profiling.stats import Profile
 from tests.helpers import live_tensors
 from tests.zoo import CASES, ZooCase
 
@@ -108,7 +108,7 @@ def test_one_forward_per_node_measures_what_two_did(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
 def test_a_plan_leaves_no_tensor_alive(mode: str) -> None:
-    """NOTE [ Saved tensors held from C++ ] in autockpt/instrument.py: the profile's pack hook
+    """NOTE [ Saved tensors held from C++ ] in autockpt/ops/instrument.py: the profile's pack hook
     returned the saved tensor itself, and every ReLU saving its own output kept the whole
     fake forward (its tensors, the runner, the graph) alive for good: 201 fake tensors per
     plan of a ResNet-18, and later plans slowed as the collector walked them."""
@@ -124,7 +124,7 @@ def test_a_plan_leaves_no_tensor_alive(mode: str) -> None:
 
 
 def test_planning_pauses_the_collector_and_restores_it() -> None:
-    """NOTE [ Planning with the collector paused ] in autockpt/_gc.py: paused while the
+    """NOTE [ Planning with the collector paused ] in autockpt/pipeline.py: paused while the
     profile runs the user's loss, enabled again after the plan, after a failed plan, and
     left disabled for a user who disabled it."""
     seen: list[bool] = []
@@ -155,7 +155,8 @@ def test_the_chunked_graph_resumes_the_plain_run(monkeypatch: pytest.MonkeyPatch
     """NOTE [ A second graph resumes the first ]: the graph with its head in chunks, profiled
     from the plain graph's run where the two start to differ, gives the profile a run of its
     own gives, node for node and storage for storage, and runs only the nodes from there on."""
-    from autockpt.chunking import chunk_rows, chunked_head, find_row_stretch
+    from autockpt.planning.head import chunked_head, find_row_stretch
+    from autockpt.running.head import chunk_rows
     from tests.test_chunked_head import LM, batch, token_cross_entropy
 
     torch.manual_seed(0)
@@ -193,7 +194,7 @@ def test_a_reduced_loss_gets_the_buffer_its_real_kernel_keeps(device: str, loss:
     # which the scalar keeps alive through backward. Fake CUDA tensors need no GPU.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autockpt.instrument import widen_reduced_loss
+    from autockpt.ops.instrument import widen_reduced_loss
 
     func = getattr(torch.ops.aten, loss).default
     with FakeTensorMode():

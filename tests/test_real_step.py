@@ -17,9 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autockpt
-from autockpt.planner import BUDGET_SLACK
-from tests.helpers import (MODES, apply_at_fraction, assert_same_tensors, grads_of,
-                           loop_peak_bytes)
+from autockpt.planning.planner import BUDGET_SLACK
+from tests.helpers import MODES, apply_at_fraction, assert_same_tensors, grads_of, loop_peak_bytes
 from tests.zoo import get_case
 
 SLACK = 1 + BUDGET_SLACK
@@ -150,7 +149,7 @@ def test_the_loss_is_priced_not_assumed_away() -> None:
     assert with_ce.loss.grad_bytes == logits_bytes  # type: ignore[union-attr]
     assert with_sum.loss.grad_bytes == 0  # type: ignore[union-attr]
     assert with_ce.baseline_peak_bytes >= with_sum.baseline_peak_bytes + 2 * logits_bytes
-    for plan, fn in ((with_ce, loss_fn), (with_sum, autockpt.loss.sum_loss)):
+    for plan, fn in ((with_ce, loss_fn), (with_sum, autockpt.profiling.loss.sum_loss)):
         measured = autockpt.measure(model, args, loss_fn=fn).peak_activation_bytes
         assert abs(plan.baseline_peak_bytes - measured) <= ESTIMATE_TOLERANCE * measured
 
@@ -162,7 +161,7 @@ def test_without_a_loss_the_estimate_is_never_optimistic() -> None:
     assumed = autockpt.plan(model, args)
     assert assumed.loss is not None and assumed.loss.kind == "assumed"
     assert "assumed an output-sized gradient; pass loss_fn" in str(assumed)
-    for fn in (autockpt.loss.sum_loss, loss_fn, lambda out: out.pow(2).mean()):
+    for fn in (autockpt.profiling.loss.sum_loss, loss_fn, lambda out: out.pow(2).mean()):
         measured = autockpt.measure(model, args, loss_fn=fn).peak_activation_bytes
         assert measured <= SLACK * assumed.baseline_peak_bytes
 
@@ -303,7 +302,7 @@ def test_three_micro_batches_accumulate_the_originals_gradients() -> None:
                           loss_fn="cross_entropy")
     for net in (ckpt, twin):
         for x in batches:
-            autockpt.loss.cross_entropy_loss(net(x)).backward()
+            autockpt.profiling.loss.cross_entropy_loss(net(x)).backward()
     assert_same_tensors(grads_of(ckpt), grads_of(twin), rtol=1e-5, atol=1e-6)
 
 

@@ -1,5 +1,5 @@
 """A reentrant plan's estimate is its step replayed on fake tensors (NOTE [ Replaying a plan on
-fake tensors ] in autockpt/replay.py): equal to what the real step measures where the memory
+fake tensors ] in autockpt/running/replay.py): equal to what the real step measures where the memory
 model is not, budgets planned again when the replay is above them, the least reachable the
 replayed one, and the user's module, its parameters and the random stream left as they were."""
 
@@ -13,8 +13,11 @@ import pytest
 import torch
 
 import autockpt
-from autockpt import modules, pipeline
-from autockpt.trace import shallow_view
+from autockpt import pipeline
+from autockpt.capturing.trace import shallow_view
+from autockpt.profiling import blocks as profiled_blocks
+from autockpt.profiling.blocks import profile_modules
+from autockpt.running.blocks import installed, is_installed
 from tests import random_graphs as graphs
 
 SEEDS_THE_MODEL_MISSES = {
@@ -214,7 +217,7 @@ def test_the_modules_rung_meets_half_the_baseline_on_hugging_face_bart(
         def refused(*args: object, **kwargs: object) -> None:
             raise RuntimeError("data-dependent: LayerDrop compares torch.rand([]) in Python")
 
-        monkeypatch.setattr(modules, "_run_fake", refused)
+        monkeypatch.setattr(profiled_blocks, "_run_fake", refused)
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
@@ -266,7 +269,7 @@ class _LooksAtValues(torch.nn.Module):
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
 def test_a_forward_fake_tensors_cannot_run_is_replayed_as_a_real_step(mode: str) -> None:
-    """NOTE [ A real replay where fake tensors cannot run ] in autockpt/replay.py: the plan's
+    """NOTE [ A real replay where fake tensors cannot run ] in autockpt/running/replay.py: the plan's
     estimate is its real step's tracked peak, the budget is met, and planning leaves the
     parameters, their gradients, BatchNorm's statistics and the random stream as they were."""
     torch.manual_seed(0)
@@ -323,15 +326,15 @@ def test_a_modules_replay_puts_back_the_blocks_the_running_plan_chose() -> None:
         transformed = autockpt.apply(_Stack(), None, example_inputs=(torch.randn(32, 64),),
                                      mode="reentrant", capture="modules")
     transformed(torch.randn(32, 64)).sum().backward()
-    chosen = modules.is_installed(transformed)
+    chosen = is_installed(transformed)
     assert chosen
-    others = tuple(b for b in modules.profile_modules(_Stack(), (torch.randn(4, 64),)).blocks
+    others = tuple(b for b in profile_modules(_Stack(), (torch.randn(4, 64),)).blocks
                    if b not in chosen)
-    prof = modules.profile_modules(_Stack(), (torch.randn(4, 64),))
+    prof = profile_modules(_Stack(), (torch.randn(4, 64),))
     assert others
-    with modules.installed(shallow_view(transformed), prof, others, "reentrant"):
-        assert set(modules.is_installed(transformed)) != set(chosen)  # the views are shared
-    assert modules.is_installed(transformed) == chosen
+    with installed(shallow_view(transformed), prof, others, "reentrant"):
+        assert set(is_installed(transformed)) != set(chosen)  # the views are shared
+    assert is_installed(transformed) == chosen
 
 
 def test_a_plan_with_nothing_to_checkpoint_replays_the_users_own_forward() -> None:

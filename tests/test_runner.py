@@ -1,4 +1,4 @@
-"""The segment runner (autockpt/runner.py) gives a parameter a gradient exactly where the model
+"""The segment runner (autockpt/running/runner.py) gives a parameter a gradient exactly where the model
 without checkpointing does: a reentrant checkpoint's outputs that no gradient reaches (read
 only by a dead branch, returned and ignored by the loss) leave the parameters feeding only
 them at ``None``, not at zeros (NOTE [ Outputs no gradient reached ])."""
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import autockpt
-from autockpt.runner import SegmentRun, run_checkpointed
+from autockpt.running.runner import SegmentRun, run_checkpointed
 from tests.helpers import MODES, assert_same_tensors, grads_of, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")

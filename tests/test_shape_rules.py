@@ -1,4 +1,4 @@
-"""NOTE [ Ops answered by a shape rule ] in autockpt/shape_rules.py: each rule gives what the op
+"""NOTE [ Ops answered by a shape rule ] in autockpt/profiling/shape_rules.py: each rule gives what the op
 itself gives on fake tensors (shape, strides, dtype, device, storage size of every output),
 on a grid of shapes, layouts, dtypes and flags; where it does not claim a case, the op runs;
 and profiles made with the rules equal those made without, node for node."""
@@ -17,11 +17,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import flop_registry
 
 from autockpt import profile as profile_module
-from autockpt.capture import capture
-from autockpt.fake_outputs import SHARED
-from autockpt.profile import profile
-from autockpt.shape_rules import SHAPE_RULES
-from autockpt.trace import bind_inputs
+from autockpt.capturing.ladder import capture
+from autockpt.capturing.trace import bind_inputs
+from autockpt.ops.fake_outputs import SHARED
+from autockpt.profiling.profile import profile
+from autockpt.profiling.shape_rules import SHAPE_RULES
 from tests.zoo import CASES, ZooCase
 
 aten = torch.ops.aten

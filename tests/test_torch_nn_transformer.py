@@ -1,7 +1,7 @@
 """Models built on torch.nn's own transformer: ``nn.TransformerEncoder`` and ``nn.Transformer``.
 
 torch.fx keeps every torch.nn module whole, so these used to be one opaque node each and got
-nothing (NOTE [ torch.nn containers ] in autockpt/capture.py). Captured through torch.export
+nothing (NOTE [ torch.nn containers ] in autockpt/capturing/ladder.py). Captured through torch.export
 their layers become segments: the least memory reaches at most 40% of the measured baseline,
 half the baseline is met, gradients equal an untransformed twin's in both modes, and the
 module itself (state dict keys, parameter objects, the eval-mode fast path) is unchanged.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autockpt
-from autockpt.planner import BUDGET_SLACK
+from autockpt.planning.planner import BUDGET_SLACK
 from tests.helpers import MODES, assert_same_step, assert_same_step_in_float64, train_step
 
 MIB = 2**20

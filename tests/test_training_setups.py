@@ -247,7 +247,7 @@ def test_fsdp2_fully_shard_per_block_without_keep_whole_plans_again(
         dist_results: list[dict[str, Any]], mode: str) -> None:
     """Without keep_whole the program runs the ops inside the blocks, whose hooks fully_shard
     adds afterwards; the first forward plans again with the blocks kept whole (on fake
-    parameters of their full shapes, NOTE [ Planning a sharded model ] in autockpt/capture.py),
+    parameters of their full shapes, NOTE [ Planning a sharded model ] in autockpt/capturing/ladder.py),
     and three steps equal FSDP2 without autockpt."""
     _assert_scenario_matches(dist_results, f"fsdp2/{mode}/blocks_inlined")
     for out in dist_results:

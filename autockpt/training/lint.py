@@ -3,11 +3,11 @@ steps (AC012), a state_dict saved or loaded through a wrapper's key prefix (AC01
 training checkpoint without the optimizer state (AC014).
 
 They run as part of :func:`autockpt.lint`, after the activation-checkpoint rules, on the same
-parsed :class:`~autockpt.script.Script`; docs/diagnostics.md describes each code.
+parsed :class:`~autockpt.tools.script.Script`; docs/diagnostics.md describes each code.
 
 Example:
     >>> import ast
-    >>> from autockpt.script import Script
+    >>> from autockpt.tools.script import Script
     >>> source = '''
     ... import torch
     ... model = torch.nn.DataParallel(net)
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import ast
 
-from autockpt.findings import Finding
-from autockpt.script import DDP_CLASSES, Script
+from autockpt.tools.findings import Finding
+from autockpt.tools.script import DDP_CLASSES, Script
 
 __all__ = ["training_findings"]
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.planner import BUDGET_SLACK
+from autockpt.planning.planner import BUDGET_SLACK
 from tests.helpers import MODES, Step, assert_same_step, assert_same_step_in_float64, train_step
 from tests.models.corpus import CASES, CorpusCase
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autockpt
-from autockpt.planner import BUDGET_SLACK
+from autockpt.planning.planner import BUDGET_SLACK
 
 pytestmark = pytest.mark.models
 transformers = pytest.importorskip("transformers")
@@ -46,7 +46,7 @@ def _builders() -> dict[str, Callable[[], torch.nn.Module]]:
 def test_head_in_chunks_gradients(name: str) -> None:
     torch.manual_seed(0)
     model = _builders()[name]().train()
-    # 1024 tokens: chunks of at least 128 (autockpt.chunking.MIN_CHUNK_ROWS), 8 of them.
+    # 1024 tokens: chunks of at least 128 (autockpt.planning.head.MIN_CHUNK_ROWS), 8 of them.
     ids = torch.randint(0, VOCAB, (4, 256), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
     ckpt = autockpt.apply(copy.deepcopy(model), example_kwargs=batch)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import autockpt
-from autockpt.planner import BUDGET_SLACK
+from autockpt.planning.planner import BUDGET_SLACK
 from tests.helpers import loop_peak_bytes
 
 pytestmark = pytest.mark.models

@@ -3,7 +3,7 @@ DenseNet, an HRNet-like multi-resolution network, encoder-decoder transformers (
 M2M100 through the modules rung, Whisper with its tied decoder embedding).
 
 Segments with several inputs and outputs anywhere in the graph (NOTE [ Block boundaries under
-skip connections ] in autockpt/chain.py) reach on each of them: the least memory at most 40%
+skip connections ] in autockpt/planning/chain.py) reach on each of them: the least memory at most 40%
 of the measured peak without checkpointing (55% in reentrant mode), every budget from 50% up,
 measured within 5%; the gradients of an untransformed twin; and at the memory the library's
 own gradient checkpointing reaches, fewer backward FLOPs than diffusers' switch and no more than
@@ -24,12 +24,23 @@ import torch.nn.functional as F
 from torch import nn
 
 import autockpt
-from autockpt.instrument import flop_counter
-from autockpt.planner import BUDGET_SLACK
+from autockpt.ops.instrument import flop_counter
+from autockpt.planning.planner import BUDGET_SLACK
 from tests.helpers import assert_same_step, assert_same_step_in_float64, train_step
-from tests.skip_models import (SEQ2SEQ_VOCAB, UNET2D_CONDITION_CROSS_DIM, WHISPER_MEL_BINS,
-                                HRNetLike, UNet, bart, densenet121, m2m100, t5, unet2d,
-                                unet2d_condition, whisper)
+from tests.skip_models import (
+    SEQ2SEQ_VOCAB,
+    UNET2D_CONDITION_CROSS_DIM,
+    WHISPER_MEL_BINS,
+    HRNetLike,
+    UNet,
+    bart,
+    densenet121,
+    m2m100,
+    t5,
+    unet2d,
+    unet2d_condition,
+    whisper,
+)
 
 pytestmark = pytest.mark.models
 
@@ -128,7 +139,7 @@ CASES = (
     SkipCase("hf_bart", "transformers", _seeded(bart), _seq2seq_inputs, None, _hf_switch,
              strictly_fewer=False),
     # LayerDrop skips layers at random: the modules rung plans and prices the step that
-    # keeps every layer (NOTE [ A random scalar in a real forward ] in autockpt/modules.py).
+    # keeps every layer (NOTE [ A random scalar in a real forward ] in autockpt/capturing/draws.py).
     SkipCase("hf_m2m100", "transformers", _seeded(m2m100), _seq2seq_inputs, None, _hf_switch,
              strictly_fewer=False),
     SkipCase("hf_whisper", "transformers", _seeded(whisper), _audio_inputs, None, _hf_switch,
@@ -179,7 +190,7 @@ def test_least_memory_budgets_and_gradients(case: SkipCase, mode: str) -> None:
     measured = _peak(case, least)
     # The plan's estimate is what a budget is held to: it must not fall short of the step
     # (it did by 3.3% on UNet2DModel in reentrant mode before NOTE [ A reentrant segment
-    # copies its inputs' gradients ] in autockpt/memory_model.py).
+    # copies its inputs' gradients ] in autockpt/planning/memory_model.py).
     assert measured <= plan.estimated_peak_bytes * (1 + case.under_estimate), (
         f"{case.name} ({mode}): measured {measured} B, estimated "
         f"{plan.estimated_peak_bytes} B\n{plan}"
