@@ -63,6 +63,7 @@ MOVED: dict[str, str] = {
     "findings": "tools.findings",
     "script": "tools.script",
     "checkpoints": "training",
+    "training.lint": "tools.training_lint",
 }
 """Old module name (under ``autockpt.``) -> its new path."""
 

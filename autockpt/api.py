@@ -19,7 +19,7 @@ from torch import nn
 
 from autockpt.capturing.ladder import CAPTURES
 from autockpt.capturing.meta import forward_failed
-from autockpt.capturing.trace import base_class
+from autockpt.capturing.trace import base_class, split_inputs
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.pipeline import ApplyConfig, make_any_plan
 from autockpt.planning.planner import MODES, STRATEGIES, Plan
@@ -392,37 +392,6 @@ def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
         raise InvalidArgumentError(
             f"unknown {name} {value!r}", fix=f"use one of: {', '.join(repr(v) for v in valid)}"
         )
-
-
-def split_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None
-                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` from the ``example_inputs`` / ``example_kwargs`` the public
-    functions take: a tensor, a tuple or list of positional inputs, or a dict of keyword
-    inputs.
-
-    Example:
-        >>> split_inputs({"x": 1}, {"mask": None})
-        ((), {'x': 1, 'mask': None})
-    """
-    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
-        raise InvalidArgumentError(
-            f"example_kwargs must be a dict, got {type(example_kwargs).__name__}",
-            fix="pass example_kwargs={'mask': mask}",
-        )
-    kwargs = dict(example_kwargs or {})
-    if example_inputs is None:
-        return (), kwargs
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), kwargs
-    if isinstance(example_inputs, Mapping):
-        return (), {**dict(example_inputs), **kwargs}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), kwargs
-    raise InvalidArgumentError(
-        f"example_inputs must be a tensor, a tuple of positional inputs or a dict of keyword "
-        f"inputs, got {type(example_inputs).__name__}",
-        fix="pass example_inputs=(x,) for model(x)",
-    )
 
 
 def _with_context(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Any

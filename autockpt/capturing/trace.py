@@ -39,7 +39,7 @@ import contextlib
 import inspect
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +51,7 @@ from autockpt.capturing.draws import NoRealDraw
 from autockpt.errors import InvalidArgumentError, TraceError
 from autockpt.ops.instrument import OpWatch
 
-__all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "describe_inputs", "module_path",
+__all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "split_inputs", "describe_inputs", "module_path",
            "base_class", "shallow_view",
            "generated_subclass", "functions_applied"]
 
@@ -102,6 +102,37 @@ class TracedModel:
         if self.flatten is not None:
             return self.flatten(arguments)
         return tuple(arguments[name] for name in self.spec.param_names)
+
+
+def split_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` from the ``example_inputs`` / ``example_kwargs`` the public
+    functions take: a tensor, a tuple or list of positional inputs, or a dict of keyword
+    inputs.
+
+    Example:
+        >>> split_inputs({"x": 1}, {"mask": None})
+        ((), {'x': 1, 'mask': None})
+    """
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise InvalidArgumentError(
+            f"example_kwargs must be a dict, got {type(example_kwargs).__name__}",
+            fix="pass example_kwargs={'mask': mask}",
+        )
+    kwargs = dict(example_kwargs or {})
+    if example_inputs is None:
+        return (), kwargs
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), kwargs
+    if isinstance(example_inputs, Mapping):
+        return (), {**dict(example_inputs), **kwargs}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), kwargs
+    raise InvalidArgumentError(
+        f"example_inputs must be a tensor, a tuple of positional inputs or a dict of keyword "
+        f"inputs, got {type(example_inputs).__name__}",
+        fix="pass example_inputs=(x,) for model(x)",
+    )
 
 
 def describe_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

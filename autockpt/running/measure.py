@@ -65,6 +65,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from autockpt.capturing.trace import split_inputs
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.ops.instrument import (
     LiveStorages,
@@ -924,7 +925,6 @@ def check_arguments(
     grad_accumulation: Any = False,
 ) -> tuple[tuple[Any, ...], dict[str, Any], LossFn | None]:
     """``(args, kwargs, loss_fn)`` from :func:`measure`'s arguments, or a clear error."""
-    from autockpt.api import split_inputs
 
     if not isinstance(model, torch.nn.Module):
         raise InvalidArgumentError(

@@ -63,7 +63,7 @@ from typing import Any, NoReturn, TextIO
 import torch
 from torch import nn
 
-import autockpt
+from autockpt import api
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.planning.planner import BUDGET_SLACK, MODES, STRATEGIES, Plan
 from autockpt.profiling.loss import NAMED_LOSSES, LossFn, named_loss
@@ -75,7 +75,10 @@ from autockpt.report import (
     plan_summary,
 )
 from autockpt.running.measure import MemoryReport
+from autockpt.running.measure import measure as measure_step
+from autockpt.tools.diagnose import diagnose as diagnose_model
 from autockpt.tools.findings import Report
+from autockpt.tools.lint import lint as lint_script
 from autockpt.units import format_bytes, format_seconds
 
 __all__ = [
@@ -804,7 +807,7 @@ def _budget_for(session: Session, args: argparse.Namespace, step: _Step
     if args.budget is None:
         return None, None
     fraction = parse_budget_percent(args.budget)
-    free = autockpt.plan(session.model, session.inputs, mode=args.mode, strategy=args.strategy,
+    free = api.plan(session.model, session.inputs, mode=args.mode, strategy=args.strategy,
                          **step.planning())
     return _mib(fraction * free.baseline_peak_bytes), free
 
@@ -825,7 +828,7 @@ def _infeasible(err: InfeasibleBudgetError, session: Session, mode: str, strateg
             err.message.replace("total_mb", "--total-mb"),
             fix=f"pass --total-mb {total:.2f} or more{lighter}, or use smaller inputs",
         )
-    free = autockpt.plan(session.model, session.inputs, mode=mode, strategy=strategy,
+    free = api.plan(session.model, session.inputs, mode=mode, strategy=strategy,
                          **step.planning())
     least = err.min_feasible_bytes
     mib = math.ceil(least / MIB * 100) / 100
@@ -844,7 +847,7 @@ def _least_total(err: InfeasibleBudgetError, session: Session, mode: str, strate
     """The least ``--total-mb`` (in bytes) that holds the step, after ``err`` refused one."""
     # When the fixed memory alone does not fit, the error's least is that part alone: a
     # budget with room to spare shows the whole step's, activations and step() included.
-    roomy = autockpt.plan(session.model, session.inputs, mode=mode, strategy=strategy,
+    roomy = api.plan(session.model, session.inputs, mode=mode, strategy=strategy,
                           **{**step.whole_device(), "total_mb": _ROOMY_MB})
     if roomy.device is None:
         return err.min_feasible_bytes
@@ -859,11 +862,11 @@ def _measure_all(models: Sequence[nn.Module], session: Session, steps: int, step
     rounds that time every model once in turn, so that a burst of load on a shared machine
     hits them alike instead of skewing one."""
     kwargs = step.measuring()
-    reports = [autockpt.measure(m, session.inputs, warmup=1, **kwargs) for m in models]
+    reports = [measure_step(m, session.inputs, warmup=1, **kwargs) for m in models]
     times: list[list[float]] = [[] for _ in models]
     for round_number in range(steps):
         for model, samples in zip(models, times):
-            samples.append(autockpt.measure(model, session.inputs, **kwargs).step_seconds)
+            samples.append(measure_step(model, session.inputs, **kwargs).step_seconds)
         if advance is not None:
             advance(f"timing round {round_number + 1}/{steps}")
     return [dataclasses.replace(r, step_seconds=statistics.median(t))
@@ -928,11 +931,11 @@ def _plan_command(args: argparse.Namespace, ui: Ui) -> int:
     budget = step.whole_device() if step.total_mb is not None else {
         "budget_mb": budget_mb, **step.planning()}
     try:
-        plan = autockpt.plan(session.model, session.inputs, mode=args.mode,
+        plan = api.plan(session.model, session.inputs, mode=args.mode,
                              strategy=args.strategy, **budget)
     except InfeasibleBudgetError as err:
         raise _infeasible(err, session, args.mode, args.strategy, step) from err
-    ckpt = autockpt.apply(session.model, plan=plan, example_inputs=session.inputs)
+    ckpt = api.apply(session.model, plan=plan, example_inputs=session.inputs)
     before, after = _measure_all([session.model, ckpt], session, args.steps, step)
     if args.plot is not None:
         from autockpt.tools.plot import plot_memory
@@ -1016,7 +1019,7 @@ def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
     percents = _parse_percent_list(args.budgets)
     session = load_session(args)
     step = _step_of(args, session)
-    least = autockpt.plan(session.model, session.inputs, mode=args.mode, strategy=args.strategy,
+    least = api.plan(session.model, session.inputs, mode=args.mode, strategy=args.strategy,
                           **step.planning())
     baseline = least.baseline_peak_bytes
     # Each row: its label, its activation budget, and the keywords of autockpt.plan (None for
@@ -1036,7 +1039,7 @@ def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
         for label, budget, kwargs in wanted:
             total = total_bytes if label == "total" else None
             try:
-                plan = least if kwargs is None else autockpt.plan(
+                plan = least if kwargs is None else api.plan(
                     session.model, session.inputs, mode=args.mode, strategy=args.strategy,
                     **kwargs)
             except InfeasibleBudgetError as err:
@@ -1053,7 +1056,7 @@ def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
         models: list[nn.Module] = [session.model]
         for row in plans:
             if row.plan is not None and len(models) == 1 + distinct[_key(row.plan)]:
-                models.append(autockpt.apply(session.model, plan=row.plan,
+                models.append(api.apply(session.model, plan=row.plan,
                                              example_inputs=session.inputs))
         before, *reports = _measure_all(models, session, args.steps, step, advance)
     rows = [row if row.plan is None else
@@ -1149,7 +1152,7 @@ def _show_report(ui: Ui, report: Report, as_json: bool,
 def _diagnose_command(args: argparse.Namespace, ui: Ui) -> int:
     session = load_session(args)
     # diagnose takes the loss's name itself (None: the same default loss as plan and bench).
-    report = autockpt.diagnose(session.model, session.inputs, loss_fn=args.loss)
+    report = diagnose_model(session.model, session.inputs, loss_fn=args.loss)
     return _show_report(ui, report, args.json, {"loss": args.loss or "default"})
 
 
@@ -1166,7 +1169,7 @@ def _lint_command(args: argparse.Namespace, ui: Ui) -> int:
     if not path.is_file():
         raise InvalidArgumentError(f"no such file: {args.script}",
                                    fix="pass the path of a Python training script")
-    return _show_report(ui, autockpt.lint(path), args.json)
+    return _show_report(ui, lint_script(path), args.json)
 
 
 def _key(plan: Plan) -> tuple[tuple[int, int], ...]:

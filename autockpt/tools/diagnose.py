@@ -84,9 +84,8 @@ import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from autockpt.api import split_inputs
 from autockpt.capturing.meta import forward_failed, meta_parts
-from autockpt.capturing.trace import base_class, bind_inputs, trace
+from autockpt.capturing.trace import base_class, bind_inputs, split_inputs, trace
 from autockpt.errors import AutockptError, InvalidArgumentError
 from autockpt.ops.instrument import (
     Op,

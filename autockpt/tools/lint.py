@@ -8,7 +8,7 @@ script's imports, so ``from torch.utils.checkpoint import checkpoint as ckpt`` a
 
 The script is parsed once into a :class:`~autockpt.tools.script.Script`; :data:`RULE_SETS` then runs
 the activation-checkpoint rules of this module (AC001-AC010) and the training-loop and
-checkpoint-saving rules of :mod:`autockpt.training.lint` (AC012-AC014), in that order.
+checkpoint-saving rules of :mod:`autockpt.tools.training_lint` (AC012-AC014), in that order.
 
 # NOTE [ What a script shows and what it hides ]
 Source alone cannot say whether a tensor requires grad, so the runtime checks that need that
@@ -44,7 +44,7 @@ from pathlib import Path
 from autockpt.errors import InvalidArgumentError
 from autockpt.tools.findings import Finding, Report
 from autockpt.tools.script import DDP_CLASSES, Script
-from autockpt.training.lint import training_findings
+from autockpt.tools.training_lint import training_findings
 
 __all__ = ["LintSyntaxError", "lint", "source_with_flag"]
 
@@ -487,7 +487,7 @@ def _checkpoint_findings(script: Script) -> list[Finding]:
 
 RULE_SETS: tuple[Callable[[Script], list[Finding]], ...] = (_checkpoint_findings, training_findings)
 """What :func:`lint` runs on a script, in order: the activation-checkpoint rules here, then the
-training-loop and checkpoint-saving rules of :mod:`autockpt.training.lint`."""
+training-loop and checkpoint-saving rules of :mod:`autockpt.tools.training_lint`."""
 
 
 # --------------------------------------------------------------------------- helpers

@@ -3,7 +3,7 @@ every call and binding in source order, and the scope each node sits in.
 
 :func:`autockpt.lint` builds one :class:`Script` and hands it to every rule set: the
 activation-checkpoint rules in :mod:`autockpt.lint` and the training-loop and
-checkpoint-saving rules in :mod:`autockpt.training.lint`.
+checkpoint-saving rules in :mod:`autockpt.tools.training_lint`.
 
 Example:
     >>> import ast

@@ -59,8 +59,8 @@ Example:
 #   index        the manager's index.json and its recovery
 #   sampler      the resumable sampler
 #   manager      CheckpointManager, save_checkpoint, load_checkpoint
-# and, apart, lint: the static checks of training loops and saves (AC012-AC014), which
-# autockpt.lint runs after its own.
+# The static checks of training loops and saves (AC012-AC014), which autockpt.lint runs after
+# its own, live with the other tools: autockpt/tools/training_lint.py.
 
 from __future__ import annotations
 
