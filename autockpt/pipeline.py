@@ -250,7 +250,7 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     does)."""
     config = with_hooked_modules(module, config)
     module = unsharded_view(module)  # NOTE [ Planning a sharded model ] in autockpt/capturing/ladder.py
-    # NOTE [ Planning with the collector paused ] in autockpt/pipeline.py; NOTE [ Autocast on the
+    # NOTE [ Planning with the collector paused ] in autockpt/planning/gc.py; NOTE [ Autocast on the
     # meta device ] in autockpt/capturing/meta.py
     with paused(), meta_autocast(module, args, kwargs):
         traced = capture(module, args, kwargs, config.capture, config.keep_whole)
@@ -564,7 +564,7 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     # Captured and planned without FSDP2's hooks and shards, compiled onto the module itself,
     # whose block calls run them (NOTE [ Planning a sharded model ] in autockpt/capturing/ladder.py).
     planning = unsharded_view(module)
-    # NOTE [ Planning with the collector paused ] in autockpt/pipeline.py; NOTE [ Autocast on the
+    # NOTE [ Planning with the collector paused ] in autockpt/planning/gc.py; NOTE [ Autocast on the
     # meta device ] in autockpt/capturing/meta.py
     with paused(), meta_autocast(planning, args, kwargs):
         traced = capture(planning, args, kwargs, method, config.keep_whole)

@@ -124,7 +124,7 @@ def test_a_plan_leaves_no_tensor_alive(mode: str) -> None:
 
 
 def test_planning_pauses_the_collector_and_restores_it() -> None:
-    """NOTE [ Planning with the collector paused ] in autockpt/pipeline.py: paused while the
+    """NOTE [ Planning with the collector paused ] in autockpt/planning/gc.py: paused while the
     profile runs the user's loss, enabled again after the plan, after a failed plan, and
     left disabled for a user who disabled it."""
     seen: list[bool] = []

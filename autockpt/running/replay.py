@@ -41,7 +41,7 @@ a larger one (a reduced MSE loss keeps its element-wise buffer), the replay wide
 profile does (:func:`autockpt.ops.instrument.widen_reduced_loss`). With nothing to checkpoint, the
 runtime runs the user's own forward, and so does the replay: its Python locals may hold values
 longer than the graph does. What the replay does not see is what the measure does not see
-(NOTE [ What the dispatch-mode measure cannot see ] in :mod:`autockpt.measure`), and what fake
+(NOTE [ What the dispatch-mode measure cannot see ] in :mod:`autockpt.running.measure`), and what fake
 tensors do not run: a data-dependent op fails, and the plan then keeps the model's estimate and
 says why. A modules-rung forward that already needed a real profile is replayed as one real
 step instead (NOTE [ A real replay where fake tensors cannot run ]).

@@ -104,7 +104,7 @@ class SegmentRun:
     segment: Segment | None
     """The plan's row for the segment (graph rungs); ``None`` for a block of the modules rung,
     which runs as one checkpoint per block (NOTE [ One checkpoint per block ] in
-    :mod:`autockpt.profiling.blocks`)."""
+    :mod:`autockpt.running.blocks`)."""
     block: str
     """The block's qualified name (modules rung); ``""`` for the graph rungs."""
     mode: str
