@@ -48,6 +48,10 @@ def run(name, build, args, kwargs, loss_fn=None, measure=True, modes=("non_reent
                 r = autockpt.measure(t, args, example_kwargs=kwargs, loss_fn=loss_fn, warmup=0, repeat=1)
                 emit(f"   measured peak_activation_bytes={r.peak_activation_bytes}")
 
+# Compiled under a fixed file name: the capture's reasons quote where tracing failed, and the
+# snapshot must not depend on where the checkout lies.
+_MODELS = """
+import torch
 class DataDependent(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -58,6 +62,10 @@ class DataDependent(torch.nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return x
+"""
+_namespace: dict = {}
+exec(compile(_MODELS, "<plan_snapshot models>", "exec"), _namespace)
+DataDependent = _namespace["DataDependent"]
 run("modules_rung", DataDependent, (torch.randn(32, 64, generator=torch.Generator().manual_seed(0)),), {})
 
 for case in zoo.CASES:
