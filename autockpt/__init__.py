@@ -17,7 +17,7 @@ the names below.
 import sys
 
 from autockpt import _aliases
-from autockpt.api import apply, plan, plan_of
+from autockpt.api import __version__, apply, plan, plan_of
 from autockpt.errors import (
     AutockptError,
     BudgetWarning,
@@ -47,8 +47,6 @@ from autockpt.training import (
     load_state_dict,
     save_checkpoint,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AutockptError",

@@ -27,7 +27,9 @@ from autockpt.profiling.loss import LossFn, check_loss_fn
 from autockpt.profiling.timing import COSTS
 from autockpt.runtime import is_checkpointed, make_checkpointed
 
-__all__ = ["apply", "plan", "plan_of"]
+__all__ = ["__version__", "apply", "plan", "plan_of"]
+
+__version__ = "0.1.0"  # the same as pyproject.toml's; ``autockpt.__version__``
 
 MIB = 2**20
 

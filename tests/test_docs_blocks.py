@@ -22,7 +22,7 @@ import re
 import textwrap
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest

@@ -945,7 +945,7 @@ def _plan_command(args: argparse.Namespace, ui: Ui) -> int:
 
     if args.json:
         ui.json({
-            "autockpt_version": autockpt.__version__,
+            "autockpt_version": api.__version__,
             "model_spec": session.name,
             **step.json(),
             "plan": plan_json(plan),
@@ -1065,7 +1065,7 @@ def _bench_command(args: argparse.Namespace, ui: Ui) -> int:
 
     if args.json:
         ui.json({
-            "autockpt_version": autockpt.__version__,
+            "autockpt_version": api.__version__,
             "model_spec": session.name,
             "model": least.model,
             "input_signature": least.input_signature,
@@ -1134,7 +1134,7 @@ def _show_report(ui: Ui, report: Report, as_json: bool,
                  extra: dict[str, Any] | None = None) -> int:
     if as_json:
         ui.json({
-            "autockpt_version": autockpt.__version__,
+            "autockpt_version": api.__version__,
             **(extra or {}),
             "subject": report.subject,
             "errors": len(report.errors),
@@ -1223,7 +1223,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autockpt",
                      description="Automatic activation checkpointing for PyTorch: see the "
                      "plan, the memory and what it costs.")
-    parser.add_argument("--version", action="version", version=f"autockpt {autockpt.__version__}")
+    parser.add_argument("--version", action="version", version=f"autockpt {api.__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in _SUBCOMMANDS.values():
