@@ -4,6 +4,7 @@ serialisation, devices, modes, lazy planning, given plans, and recomputation tha
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 
 import pytest
@@ -68,6 +69,21 @@ def test_result_is_an_instance_of_the_users_class_with_the_same_parameters() -> 
     assert not torch.equal(before, model.head.weight)
     ckpt.load_state_dict(model.state_dict())
     model.load_state_dict(ckpt.state_dict())
+
+
+def test_forward_keeps_the_signature_of_the_users_forward() -> None:
+    """What reads ``forward``'s signature (Trainer's column filter and loss kwargs, PEFT,
+    accelerate) sees the user's, on the transformed module and on a lazily planned one, and
+    the module still runs with keyword inputs."""
+    case = get_case("kwargs_model")
+    model = case.build()
+    args, kwargs = case.inputs()
+    ckpt = autockpt.apply(model, None, example_inputs=args, example_kwargs=kwargs)
+    lazy = autockpt.apply(case.build(), 1.0)
+    for transformed in (ckpt, lazy):
+        assert inspect.signature(transformed.forward) == inspect.signature(model.forward)
+        assert transformed.forward.__doc__ == model.forward.__doc__
+    case.loss_fn(ckpt(*args, **kwargs)).backward()
 
 
 def test_deepcopy_and_whole_module_pickle_train_identically() -> None:

@@ -174,16 +174,48 @@ def generated_subclass(mixin: type, base: type[nn.Module]) -> type[nn.Module]:
     """The subclass ``(mixin, base)`` autockpt gives a module it wraps, made once per pair.
 
     It carries ``base``'s name, module and docstring, so it reads as the user's class, and
-    ``_autockpt_base`` so that :func:`base_class` sees through it.
+    ``_autockpt_base`` so that :func:`base_class` sees through it. A ``forward`` the mixin
+    defines shows ``base.forward``'s signature and docstring: what reads the signature (the
+    columns Hugging Face's Trainer keeps, whether it passes loss kwargs, PEFT, accelerate)
+    sees what it saw before.
+
+    Example:
+        >>> import inspect
+        >>> class Mixin:
+        ...     def forward(self, *args, **kwargs):
+        ...         return super().forward(*args, **kwargs)
+        >>> cls = generated_subclass(Mixin, torch.nn.Linear)
+        >>> str(inspect.signature(cls(2, 2).forward))
+        '(input: torch.Tensor) -> torch.Tensor'
     """
     with _GENERATED_LOCK:
         cls = _GENERATED.get((mixin, base))
         if cls is None:
-            cls = type(base.__name__, (mixin, base), {
+            attrs: dict[str, Any] = {
                 "_autockpt_base": base, "__module__": base.__module__,
-                "__qualname__": base.__qualname__, "__doc__": base.__doc__})
+                "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+            if hasattr(mixin, "forward"):
+                attrs["forward"] = _forward_as(mixin.forward, base)
+            cls = type(base.__name__, (mixin, base), attrs)
             _GENERATED[(mixin, base)] = cls
         return cls
+
+
+def _forward_as(run: Callable[..., Any], base: type[nn.Module]) -> Callable[..., Any]:
+    """``run`` (a mixin's ``forward(self, *args, **kwargs)``) under ``base.forward``'s
+    signature, name and docstring."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return run(self, *args, **kwargs)
+
+    original = base.forward
+    try:
+        forward.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # a forward without a readable signature keeps its own
+        pass
+    forward.__doc__ = original.__doc__
+    forward.__qualname__ = f"{base.__qualname__}.forward"
+    return forward
 
 
 def shallow_view(module: nn.Module, cls: type[nn.Module] | None = None) -> nn.Module:
