@@ -19,6 +19,8 @@ what it returns.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -216,6 +218,60 @@ def _whole_device(device: DeviceBudget | None) -> Iterator[None]:
         ) from err
 
 
+# NOTE [ A training forward runs without the cache ]
+# A block that appends to a key/value cache would append twice when it is recomputed: the
+# gradients stay right but the cache the model returns is wrong, silently. Hugging Face's own
+# switch runs a training forward without the cache and warns once; Hugging Face models default
+# to ``use_cache=True`` (GPT-2's config), and Trainer never passes it, so refusing such a call
+# stopped every Trainer run before its first step. So a training forward that would use the
+# cache, by its argument or by ``model.config.use_cache``, is planned and run with
+# ``use_cache=False`` passed by keyword, with one warning per transformed module; evaluation,
+# ``torch.no_grad()`` and ``generate`` run the user's forward and keep the cache. The modules
+# rung still refuses a call it sees with the cache on (a forward that takes ``use_cache``
+# positionally, or reads it from elsewhere): it cannot turn it off.
+
+
+def without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> dict[str, Any] | None:
+    """``kwargs`` with ``use_cache=False`` where this training call of ``module`` would use a
+    key/value cache and its forward takes ``use_cache`` by keyword; ``None`` where nothing
+    changes (NOTE [ A training forward runs without the cache ]).
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     def forward(self, x, use_cache=True):
+        ...         return x
+        >>> without_cache(Net(), (torch.ones(1),), {})
+        {'use_cache': False}
+        >>> without_cache(Net(), (torch.ones(1),), {"use_cache": False}) is None
+        True
+    """
+    parameters = inspect.signature(base_class(module).forward).parameters
+    parameter = parameters.get("use_cache")
+    if parameter is None or parameter.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                               inspect.Parameter.VAR_POSITIONAL):
+        return None
+    if "use_cache" not in kwargs and list(parameters).index("use_cache") <= len(args):
+        return None  # given by position
+    use_cache = kwargs.get("use_cache", parameter.default)
+    if use_cache is None or use_cache is inspect.Parameter.empty:
+        use_cache = getattr(getattr(module, "config", None), "use_cache", None)
+    if use_cache is not True:
+        return None
+    return {**kwargs, "use_cache": False}
+
+
+def cache_turned_off_warning(module: nn.Module) -> str:
+    """What autockpt says once per module when it turns the cache off (NOTE [ A training
+    forward runs without the cache ])."""
+    return (f"{base_class(module).__name__} is trained with use_cache=True: autockpt runs its "
+            "training forwards with use_cache=False, since a recomputed block would add its "
+            "keys and values to the cache twice (Hugging Face's gradient checkpointing does "
+            "the same); evaluation and generate keep the cache. Pass use_cache=False (or set "
+            "model.config.use_cache = False) to silence this")
+
+
 def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A block that appends to a key/value cache would append twice when it is recomputed:
     the gradients stay right but the cache the model returns is wrong, silently. Hugging
@@ -252,6 +308,10 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     module = unsharded_view(module)  # NOTE [ Planning a sharded model ] in autockpt/capturing/ladder.py
     # NOTE [ Planning with the collector paused ] in autockpt/planning/gc.py; NOTE [ Autocast on the
     # meta device ] in autockpt/capturing/meta.py
+    uncached = without_cache(module, args, kwargs)
+    if uncached is not None:
+        warnings.warn(cache_turned_off_warning(module), UserWarning, stacklevel=3)
+        kwargs = uncached
     with paused(), meta_autocast(module, args, kwargs):
         traced = capture(module, args, kwargs, config.capture, config.keep_whole)
         if isinstance(traced, NoGraph):

@@ -117,6 +117,7 @@ class RuntimeState:
         self.last_plan: Plan | None = None
         self.installed: _Variant | None = None
         self.checked_grads = False
+        self.cache_warned = False
         self._next_id = 0
         self._lock = threading.RLock()
 
@@ -136,6 +137,19 @@ class RuntimeState:
         self.last_plan = state["last_plan"]
         for key, plan in state["plans"]:
             self.variants[key] = _Variant(key=key, plan=plan, program=None, param_names=())
+
+    def training_kwargs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> dict[str, Any]:
+        """``kwargs`` as a training forward runs them: without a key/value cache, said once
+        per module (NOTE [ A training forward runs without the cache ] in
+        :mod:`autockpt.pipeline`)."""
+        uncached = pipeline.without_cache(module, args, kwargs)
+        if uncached is None:
+            return kwargs
+        if not self.cache_warned:
+            self.cache_warned = True
+            warnings.warn(pipeline.cache_turned_off_warning(module), UserWarning, stacklevel=5)
+        return uncached
 
     def variant_for(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                     ) -> tuple[_Variant, dict[str, Any]]:
@@ -180,7 +194,7 @@ class RuntimeState:
 
     def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         """Plan and compile for these inputs now (``apply`` with example inputs)."""
-        variant, _ = self.variant_for(module, args, kwargs)
+        variant, _ = self.variant_for(module, args, self.training_kwargs(module, args, kwargs))
         return variant.plan
 
     def _build(
@@ -326,6 +340,7 @@ class _CheckpointedMixin(CheckpointedForward):
         module: nn.Module = self  # type: ignore[assignment]
         if not how.checked_grads:
             _warn_if_accumulating(module, how)
+        kwargs = how.training_kwargs(module, args, kwargs)
         variant, arguments = how.variant_for(module, args, kwargs)
         if (variant.plan.segments or variant.plan.chunked_head) and _hooked(variant):
             variant = how.replan_for_hooks(module, args, kwargs, arguments, variant)
