@@ -50,6 +50,7 @@ from torch import nn
 from autockpt.capturing.draws import NoRealDraw
 from autockpt.errors import InvalidArgumentError, TraceError
 from autockpt.ops.instrument import OpWatch
+from autockpt.units import format_names
 
 __all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "split_inputs", "describe_inputs", "module_path",
            "base_class", "shallow_view",
@@ -267,7 +268,7 @@ def bind_inputs(
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(signature.parameters)))  # self
     for param in _forward_parameters(cls):
-        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
             if arguments.get(param.name):
                 raise TraceError(
                     f"{cls.__name__}.forward takes *{param.name}, which torch.fx cannot trace",
@@ -276,6 +277,11 @@ def bind_inputs(
                     model_name=cls.__name__,
                 )
             arguments.pop(param.name, None)
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            # Keywords the forward takes through **kwargs (Trainer's num_items_in_batch,
+            # output_attentions) are inputs like the named ones, passed by keyword: torch.export
+            # and the modules rung take them; torch.fx refuses them (:func:`trace`).
+            arguments.update(arguments.pop(param.name, None) or {})
     return arguments
 
 
@@ -505,6 +511,15 @@ def trace(
     kwargs = {} if kwargs is None else kwargs
     cls = base_class(module)
     arguments = bind_inputs(module, args, kwargs)
+    extra = [name for name in arguments
+             if name not in {p.name for p in _forward_parameters(cls)}]
+    if extra:
+        raise TraceError(
+            f"{cls.__name__}.forward takes {format_names(extra)} through **kwargs, which "
+            "torch.fx cannot trace",
+            fix="capture='export' takes them; or give the forward named parameters",
+            model_name=cls.__name__,
+        )
     names = tuple(p.name for p in _forward_parameters(cls) if p.name in arguments)
     constants = tuple(
         (name, arguments[name])

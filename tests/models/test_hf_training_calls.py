@@ -1,7 +1,8 @@
-"""A Hugging Face model trained with its cache on (GPT-2's config default, and Trainer never
-passes ``use_cache``): autockpt runs the training forward without the cache and warns once,
-as Hugging Face's own checkpointing does (NOTE [ A training forward runs without the cache ]
-in autockpt/pipeline.py); evaluation keeps the cache."""
+"""A Hugging Face model called as Trainer calls it in training: with its cache on (GPT-2's
+config default; Trainer never passes ``use_cache``), autockpt runs the training forward
+without the cache and warns once, as Hugging Face's own checkpointing does (NOTE [ A training
+forward runs without the cache ] in autockpt/pipeline.py), and evaluation keeps the cache;
+with ``num_items_in_batch=`` through the forward's ``**kwargs``, it is an input of the capture."""
 
 from __future__ import annotations
 
@@ -89,3 +90,23 @@ def test_plan_and_apply_with_example_inputs_plan_without_the_cache() -> None:
     with pytest.warns(UserWarning, match="use_cache=False"):
         transformed = autockpt.apply(model, 0.5, example_kwargs=_batch(16))
     assert inspect.signature(transformed.forward) == inspect.signature(model.forward)
+
+
+def test_num_items_in_batch_through_kwargs_is_an_input() -> None:
+    """Trainer passes ``num_items_in_batch`` (the forward takes ``**kwargs``): the loss is
+    divided by it, so gradients differ with it, and must equal the untouched model's."""
+    reference = _gpt2()
+    model = copy.deepcopy(reference)
+    transformed = autockpt.apply(model, 0.5)
+    for count in (20, 40):
+        batch = {**_batch(16), "use_cache": False, "num_items_in_batch": torch.tensor(count)}
+        reference.zero_grad(set_to_none=True)
+        transformed.zero_grad(set_to_none=True)
+        expected = reference(**batch).loss
+        expected.backward()
+        actual = transformed(**batch).loss
+        actual.backward()
+        torch.testing.assert_close(actual, expected)
+        assert_same_tensors(grads_of(transformed), grads_of(reference), what=f"{count} items")
+    plan = autockpt.plan_of(transformed)
+    assert plan.segments and "num_items_in_batch=" in plan.input_signature
