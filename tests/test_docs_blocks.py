@@ -107,6 +107,28 @@ mask = torch.ones_like(ids)
 optimizer = torch.optim.AdamW(model.parameters())
 """
 
+# A dataset of token rows of changing lengths, padded per batch, as Trainer and accelerate
+# loops are fed.
+HF_DATA = HF + """
+class Rows(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.rows = [torch.randint(1, 512, (int(n),), generator=g)
+                     for n in torch.randint(8, 48, (8,), generator=g)]
+    def __len__(self):
+        return len(self.rows)
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+def collator(features):
+    ids = torch.nn.utils.rnn.pad_sequence([f["input_ids"] for f in features], batch_first=True)
+    mask = (ids != 0).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+train_dataset = Rows()
+loader = torch.utils.data.DataLoader(train_dataset, batch_size=4, collate_fn=collator)
+"""
+
 TINY_LM = IMPORTS + """
 class TinyLM(nn.Module):
     def __init__(self, vocab=512, width=64):
@@ -208,6 +230,11 @@ CASES: dict[str, list[Run | RunElsewhere | NotRun]] = {
         Run(HF, check="model.is_gradient_checkpointing"),
         Run(HF, check="autockpt.plan_of(model).budget_bytes == 500 * 2**20 "
             "and out.loss.grad_fn is not None"),
+        Run(HF_DATA, check="trainer.state.global_step == 3 "
+            "and (Path('out/final') / 'model.safetensors').exists() "
+            "and autockpt.plan_of(model).budget_bytes == 500 * 2**20"),
+        Run(HF_DATA, check="autockpt.plan_of(model).budget_bytes == 500 * 2**20 "
+            "and outputs.loss.grad_fn is not None"),
     ],
     "docs/migrating.md": [
         Run(SMALL_MLP + "x.requires_grad_()\n", check="out.shape == (32, 10)"),
