@@ -29,7 +29,8 @@ from torch import nn
 
 from autockpt.capturing.ladder import NoGraph, capture, hooked_modules, unsharded_view
 from autockpt.capturing.meta import meta_autocast
-from autockpt.capturing.trace import TracedModel, base_class, bind_inputs, shallow_view
+from autockpt.capturing.trace import (TracedModel, base_class, bind_inputs, forward_signature,
+                                      shallow_view)
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.planning.blocks import blocks_of_plan, plan_modules
 from autockpt.planning.budget import DeviceBudget, device_budget
@@ -247,19 +248,24 @@ def without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         >>> without_cache(Net(), (torch.ones(1),), {"use_cache": False}) is None
         True
     """
-    parameters = inspect.signature(base_class(module).forward).parameters
+    parameters = forward_signature(base_class(module)).parameters
     parameter = parameters.get("use_cache")
     if parameter is None or parameter.kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                inspect.Parameter.VAR_POSITIONAL):
         return None
     if "use_cache" not in kwargs and list(parameters).index("use_cache") <= len(args):
         return None  # given by position
-    use_cache = kwargs.get("use_cache", parameter.default)
-    if use_cache is None or use_cache is inspect.Parameter.empty:
-        use_cache = getattr(getattr(module, "config", None), "use_cache", None)
-    if use_cache is not True:
+    if not _cache_on(module, kwargs.get("use_cache", parameter.default)):
         return None
     return {**kwargs, "use_cache": False}
+
+
+def _cache_on(module: nn.Module, use_cache: Any) -> bool:
+    """Whether a call with this ``use_cache`` argument uses the cache: unset (``None``, or
+    no default), the model's config says."""
+    if use_cache is None or use_cache is inspect.Parameter.empty:
+        use_cache = getattr(getattr(module, "config", None), "use_cache", None)
+    return use_cache is True
 
 
 def cache_turned_off_warning(module: nn.Module) -> str:
@@ -276,11 +282,7 @@ def _refuse_caches(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     """A block that appends to a key/value cache would append twice when it is recomputed:
     the gradients stay right but the cache the model returns is wrong, silently. Hugging
     Face turns the cache off when it checkpoints; here the user must."""
-    use_cache = bind_inputs(module, args, kwargs).get("use_cache")
-    config = getattr(module, "config", None)
-    if use_cache is None and config is not None:
-        use_cache = getattr(config, "use_cache", None)
-    if use_cache is True:
+    if _cache_on(module, bind_inputs(module, args, kwargs).get("use_cache")):
         raise InvalidArgumentError(
             f"{base_class(module).__name__} is called with use_cache=True: checkpointing its "
             "blocks would add every key/value to the cache twice when they are recomputed",

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import weakref
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,8 +53,8 @@ from autockpt.errors import InvalidArgumentError, TraceError
 from autockpt.ops.instrument import OpWatch
 from autockpt.units import format_names
 
-__all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "split_inputs", "describe_inputs", "module_path",
-           "base_class", "shallow_view",
+__all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "forward_signature",
+           "split_inputs", "describe_inputs", "module_path", "base_class", "shallow_view",
            "generated_subclass", "functions_applied"]
 
 #: Python values that are baked into the graph (a new value means a new plan).
@@ -240,8 +241,33 @@ def shallow_view(module: nn.Module, cls: type[nn.Module] | None = None) -> nn.Mo
     return view
 
 
+# Keyed by the forward function itself, so a forward patched onto the class later (kernel
+# libraries replace a model class's forward) gets its own entry.
+_SIGNATURES: weakref.WeakKeyDictionary[Any, inspect.Signature] = weakref.WeakKeyDictionary()
+
+
+def forward_signature(cls: type[nn.Module]) -> inspect.Signature:
+    """``inspect.signature(cls.forward)``, ``self`` included, read once per forward function:
+    every training forward binds its inputs with it.
+
+    Example:
+        >>> str(forward_signature(torch.nn.Linear))
+        '(self, input: torch.Tensor) -> torch.Tensor'
+    """
+    forward = cls.forward
+    try:
+        return _SIGNATURES[forward]
+    except (KeyError, TypeError):  # TypeError: an object weakref cannot point to
+        signature = inspect.signature(forward)
+    try:
+        _SIGNATURES[forward] = signature
+    except TypeError:
+        pass
+    return signature
+
+
 def _forward_parameters(cls: type[nn.Module]) -> list[inspect.Parameter]:
-    params = list(inspect.signature(cls.forward).parameters.values())
+    params = list(forward_signature(cls).parameters.values())
     return params[1:]  # drop self
 
 
@@ -254,7 +280,7 @@ def bind_inputs(
         InvalidArgumentError: the forward does not accept these arguments.
     """
     cls = base_class(module)
-    signature = inspect.signature(cls.forward)
+    signature = forward_signature(cls)
     try:
         bound = signature.bind(module, *args, **kwargs)
     except TypeError as err:
@@ -511,8 +537,8 @@ def trace(
     kwargs = {} if kwargs is None else kwargs
     cls = base_class(module)
     arguments = bind_inputs(module, args, kwargs)
-    extra = [name for name in arguments
-             if name not in {p.name for p in _forward_parameters(cls)}]
+    named = {p.name for p in _forward_parameters(cls)}
+    extra = [name for name in arguments if name not in named]
     if extra:
         raise TraceError(
             f"{cls.__name__}.forward takes {format_names(extra)} through **kwargs, which "
