@@ -51,6 +51,7 @@ def apply(
     optimizer: torch.optim.Optimizer | None = None,
     keep_whole: str | Sequence[str] = (),
     chunk_head: bool = True,
+    max_shapes: Mapping[str, Sequence[int | None]] | None = None,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with activation memory within ``budget_mb``.
 
@@ -64,8 +65,11 @@ def apply(
         budget_mb: MiB (2**20 bytes) allowed for peak activation memory of one forward and
             backward at the input size; ``None`` asks for the least memory reachable.
         example_inputs: positional inputs (a tensor or a tuple) to plan for now; a dict is
-            taken as keyword inputs. Without them, planning happens at the first training
-            forward, from the real batch, and again for each new input signature.
+            taken as keyword inputs. The plan serves them and every batch of the same
+            structure no larger in any dimension (give the largest batch of the run). Without
+            them, planning happens at the first training forward, from the real batch; a
+            batch of a new shape runs a plan that serves it, or one priced at its bucket of
+            sizes (docs/shapes.md).
         example_kwargs: keyword inputs to plan for.
         plan: a plan from :func:`plan` to apply as it is (no budget then; the plan's mode is
             used).
@@ -117,6 +121,13 @@ def apply(
             returns beside the loss are ``None``. ``False`` keeps the head
             whole and the logits returned. Non-reentrant mode only. See
             docs/chunked-head.md.
+        max_shapes: the largest shape of inputs whose sizes change from batch to batch, by
+            argument name (a path such as ``"batch['pixels']"`` inside a container), one
+            size per dimension, ``None`` for a size that does not change:
+            ``{"input_ids": (None, 512)}``. Each input structure is then planned once, at
+            those sizes, for every batch (other tensors of the batch with the same size, such
+            as ``attention_mask`` and ``labels``, are raised with it). Without it, the sizes
+            seen to vary are planned per bucket (docs/shapes.md).
 
     Example:
         >>> import torch, autockpt
@@ -157,7 +168,8 @@ def apply(
         step["grad_accumulation"] = plan.grad_accumulation
     config = ApplyConfig(budget_bytes=budget_bytes, mode=mode, strategy=strategy, fixed_plan=plan,
                          capture=capture, cost=cost, keep_whole=whole_modules(model, keep_whole),
-                         chunk_head=_check_flag("chunk_head", chunk_head), **step)
+                         chunk_head=_check_flag("chunk_head", chunk_head),
+                         max_shapes=_check_max_shapes(model, max_shapes), **step)
     # A transformed module can be applied again: the new one shares the same tree.
     transformed = make_checkpointed(model, config)
     if example_inputs is not None or example_kwargs is not None:
@@ -223,15 +235,19 @@ def plan(
     return _with_context(model, args, kwargs, run)
 
 
-def plan_of(module: nn.Module) -> Plan:
-    """The plan a transformed module runs (for the input size it saw last).
+def plan_of(module: nn.Module, *inputs: Any, **kwargs: Any) -> Plan:
+    """The plan a transformed module runs: for the inputs it saw last, or, given inputs, the
+    plan a training forward on them runs (made now, on fake tensors, if none serves them
+    yet; nothing runs for real). Its ``serves`` line says which shapes it covers.
 
     Example:
         >>> import torch, autockpt
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-        >>> ckpt = autockpt.apply(net, example_inputs=(torch.randn(2, 4),))
+        >>> ckpt = autockpt.apply(net, example_inputs=(torch.randn(8, 4),))
         >>> autockpt.plan_of(ckpt).model
         'Sequential'
+        >>> autockpt.plan_of(ckpt, torch.randn(2, 4)) is autockpt.plan_of(ckpt)
+        True
 
     Raises:
         InvalidArgumentError: ``module`` was not returned by :func:`apply`.
@@ -243,6 +259,10 @@ def plan_of(module: nn.Module) -> Plan:
             fix="pass the module that autockpt.apply(model, ...) returned",
         )
     state = module.__dict__["_autockpt"]
+    if inputs or kwargs:
+        args = tuple(inputs)
+        return _with_context(module, args, kwargs,
+                             lambda: state.plan_for(module, args, dict(kwargs)))
     if state.last_plan is None:
         raise AutockptError(
             "this module has not planned yet: it plans at its first training forward",
@@ -387,6 +407,43 @@ def whole_modules(model: nn.Module, keep_whole: Any) -> tuple[str, ...]:
                 f"{nearby}")
         chosen.update(found)
     return tuple(name for name in names if name in chosen)
+
+
+def _check_max_shapes(model: nn.Module, max_shapes: Any
+                      ) -> tuple[tuple[str, tuple[int | None, ...]], ...]:
+    """``max_shapes`` as ``(name, shape)`` pairs, each name one of the forward's arguments
+    (or a path inside one)."""
+    if max_shapes is None:
+        return ()
+    if not isinstance(max_shapes, Mapping) or not max_shapes:
+        raise InvalidArgumentError(
+            f"max_shapes must be a non-empty dict from argument name to shape, got "
+            f"{max_shapes!r}",
+            fix="pass e.g. max_shapes={'input_ids': (None, 512)}")
+    import inspect
+
+    from autockpt.capturing.trace import forward_signature
+
+    parameters = forward_signature(base_class(model)).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    pairs = []
+    for name, shape in max_shapes.items():
+        root = str(name).split("[", 1)[0].split(".", 1)[0]
+        if not isinstance(name, str) or (root not in parameters and not takes_any):
+            raise InvalidArgumentError(
+                f"max_shapes names {name!r}, which is not an argument of "
+                f"{base_class(model).__name__}.forward ({', '.join(parameters)})",
+                fix="key max_shapes by the forward's argument names")
+        if isinstance(shape, torch.Size):
+            shape = tuple(shape)
+        if not isinstance(shape, (tuple, list)) or not all(
+                size is None or (isinstance(size, int) and not isinstance(size, bool)
+                                 and size > 0) for size in shape):
+            raise InvalidArgumentError(
+                f"max_shapes[{name!r}] must be a tuple of positive ints or None, got {shape!r}",
+                fix=f"pass e.g. max_shapes={{{name!r}: (None, 512)}}")
+        pairs.append((name, tuple(shape)))
+    return tuple(pairs)
 
 
 def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:

@@ -54,11 +54,13 @@ __all__ = [
     "Compiled",
     "GraphPlan",
     "build",
+    "capture_shared",
     "compile_plan",
     "fit_plan",
     "make_any_plan",
     "plan_blocks",
     "plan_graph",
+    "plan_shared",
     "resolve_budget",
 ]
 
@@ -95,6 +97,10 @@ class ApplyConfig:
     chunk_head: bool = True
     """Whether the plan may run the head and a cross-entropy in chunks of rows (NOTE [ The
     head in chunks of rows ] in :mod:`autockpt.planning.head`)."""
+    max_shapes: tuple[tuple[str, tuple[int | None, ...]], ...] = ()
+    """``(tensor name, largest shape)`` pairs: a transformed module plans each input
+    structure once, at these sizes, for every smaller call (NOTE [ Buckets of shapes ] in
+    :mod:`autockpt.planning.buckets`); ``None`` in a shape: that size as the call has it."""
 
 
 @dataclass(frozen=True)
@@ -601,9 +607,14 @@ def compile_plan(module: nn.Module, planned: GraphPlan, variant_id: int) -> Prog
     return compile_onto(module, traced.graph, traced.constants, planned.plan, variant_id)
 
 
+def _with_head(traced: TracedModel, plan: Plan) -> TracedModel:
+    """``traced`` with the head the plan runs in chunks made one node."""
+    return traced if plan.chunked_head is None else chunk_rows(traced, plan.chunked_head)
+
+
 def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-          arguments: dict[str, Any], config: ApplyConfig, known: Plan | None, variant_id: int
-          ) -> Compiled | BlockPlan:
+          arguments: dict[str, Any], config: ApplyConfig, known: Plan | None, variant_id: int,
+          *, dynamic: bool = False) -> Compiled | BlockPlan:
     """All the stages for one input signature of ``module``: capture, then plan (or fit
     ``known``, or the config's fixed plan) and compile, or plan the modules rung.
 
@@ -614,6 +625,10 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         config: what ``apply`` was asked for.
         known: a plan already made for this signature (a module restored from a pickle).
         variant_id: the number the runtime knows the compiled program by.
+        dynamic: capture as :func:`capture_shared` does (a plan a transformed module made,
+            restored from a pickle) rather than with fixed sizes (a plan from
+            :func:`autockpt.plan`); a given plan that does not fit the one graph is fitted to
+            the other.
 
     Raises:
         AutockptError: a given plan does not fit the graph, or a modules-rung plan names
@@ -629,15 +644,52 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     # NOTE [ Planning with the collector paused ] in autockpt/planning/gc.py; NOTE [ Autocast on the
     # meta device ] in autockpt/capturing/meta.py
     with paused(), meta_autocast(planning, args, kwargs):
-        traced = capture(planning, args, kwargs, method, config.keep_whole)
+        traced = capture(planning, args, kwargs, method, config.keep_whole, dynamic=dynamic)
         if isinstance(traced, NoGraph):
             made = plan_blocks(planning, args, kwargs, traced.reason, config)
             if plan is None:
                 return made
             blocks_of_plan(made.profile, plan)  # a given plan must name these blocks
             return BlockPlan(plan, made.profile)
-        if plan is not None and plan.chunked_head is not None:
-            traced = chunk_rows(traced, plan.chunked_head)
-        planned = (fit_plan(plan, traced) if plan is not None
-                   else plan_graph(planning, traced, arguments, config))
+        if plan is None:
+            planned = plan_graph(planning, traced, arguments, config)
+        else:
+            try:
+                planned = fit_plan(plan, _with_head(traced, plan))
+            except AutockptError:
+                # A plan made by a transformed module is for the graph of every shape; one
+                # made by autockpt.plan() for the graph of its inputs' sizes.
+                if traced.input_dims is None:
+                    raise
+                other = capture(planning, args, kwargs, method, config.keep_whole,
+                                dynamic=not dynamic)
+                assert not isinstance(other, NoGraph)
+                planned = fit_plan(plan, _with_head(other, plan))
         return Compiled(planned, compile_plan(module, planned, variant_id))
+
+
+def capture_shared(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   config: ApplyConfig) -> TracedModel | NoGraph:
+    """Stage 1 for a transformed module: one graph for every shape of this input structure
+    that it admits (NOTE [ One graph for every shape ] in :mod:`autockpt.capturing.shapes`),
+    captured on the unsharded view (NOTE [ Planning a sharded model ] in
+    autockpt/capturing/ladder.py)."""
+    config = with_hooked_modules(module, config)
+    planning = unsharded_view(module)
+    with paused(), meta_autocast(planning, args, kwargs):
+        return capture(planning, args, kwargs, config.capture, config.keep_whole, dynamic=True)
+
+
+def plan_shared(module: nn.Module, captured: TracedModel | NoGraph, args: tuple[Any, ...],
+                kwargs: dict[str, Any], arguments: dict[str, Any], config: ApplyConfig
+                ) -> GraphPlan | BlockPlan:
+    """Stages 2 for a graph :func:`capture_shared` made, at the call ``args, kwargs`` (bound
+    to ``arguments``), which may be larger than any the graph was captured at: the plan,
+    not yet compiled (a program is shared by every shape whose plan has the same
+    segments)."""
+    config = with_hooked_modules(module, config)
+    planning = unsharded_view(module)
+    with paused(), meta_autocast(planning, args, kwargs):
+        if isinstance(captured, NoGraph):
+            return plan_blocks(planning, args, kwargs, captured.reason, config)
+        return plan_graph(planning, captured, arguments, config)

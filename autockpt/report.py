@@ -94,6 +94,8 @@ def plan_summary(plan: Plan) -> list[str]:
         f"  segments        {len(plan.segments)} checkpointed{nested}, "
         f"{len(plan.skipped)} left alone",
     ]
+    if plan.serves:
+        header.append(f"  serves          {plan.serves}")
     header.extend(_step_lines(plan))
     if plan.cost_model != "flops":
         # Only worth a line when it differs from the default: timed plans are not reproducible.

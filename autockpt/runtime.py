@@ -15,26 +15,28 @@ needed ] there).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from autockpt import pipeline
-from autockpt.capturing.ladder import has_hooks
-from autockpt.capturing.meta import autocast_enabled
-from autockpt.capturing.trace import base_class, bind_inputs, generated_subclass, shallow_view
-from autockpt.errors import AutockptError, BudgetWarning
+from autockpt.capturing.ladder import NoGraph, has_hooks
+from autockpt.capturing.shapes import (Shapes, resized_call, signature_key, structure_key,
+                                       tensor_names, tensor_shapes)
+from autockpt.capturing.trace import (TracedModel, base_class, bind_inputs, generated_subclass,
+                                      shallow_view)
+from autockpt.errors import AutockptError, BudgetWarning, InvalidArgumentError
 
 # Modules pickled before the pipeline existed name autockpt.runtime.ApplyConfig.
 from autockpt.pipeline import ApplyConfig, BlockPlan
+from autockpt.planning.buckets import (REPLAN_AFTER, choose, covering, target_shapes,
+                                       varying_dims)
 from autockpt.planning.planner import Plan
 from autockpt.profiling.blocks import ModuleProfile
 from autockpt.running.blocks import install
@@ -51,8 +53,10 @@ __all__ = [
     "signature_key",
 ]
 
-MAX_VARIANTS = 8
-"""How many input signatures a module keeps plans for before forgetting the oldest."""
+KNOWN_SHAPES = 4096
+"""How many input signatures a module remembers the plan of, to find it without a search;
+the plans themselves are all kept (one per bucket of shapes, NOTE [ Buckets of shapes ] in
+:mod:`autockpt.planning.buckets`)."""
 
 
 @dataclass
@@ -78,6 +82,14 @@ class _Variant:
     inlined: tuple[tuple[str, nn.Module], ...] = ()
     """The submodules the program runs the ops of instead of calling them
     (:func:`inlined_modules`): a hook added to one of them later would never run."""
+    priced: Shapes = ()
+    """The tensor shapes the plan was priced at; every call no larger in any dimension keeps
+    its budget (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`)."""
+    stated: bool = False
+    """Priced at a shape the user stated as the largest (``example_inputs``, ``max_shapes``):
+    serves every smaller call."""
+    graph: TracedModel | NoGraph | None = None
+    """The shared capture the plan was made on; ``None`` for a plan made for one signature."""
 
     @property
     def ready(self) -> bool:
@@ -107,12 +119,41 @@ class _Variant:
         return out if self.unflatten is None else self.unflatten(out)
 
 
+@dataclass
+class _Family:
+    """The calls of one input structure (:func:`structure_key`): the graphs captured for
+    them, the plans priced for their shapes, and the programs those plans compiled to."""
+
+    first: Shapes | None = None
+    """The shapes of the structure's first call."""
+    varying: tuple[tuple[int, int], ...] = ()
+    """``(tensor, dimension)`` of each size seen to differ from the first call's."""
+    graphs: list[TracedModel | NoGraph] = field(default_factory=list)
+    """The shared captures (NOTE [ One graph for every shape ] in
+    :mod:`autockpt.capturing.shapes`); a ``NoGraph`` for the modules rung."""
+    plans: list[_Variant] = field(default_factory=list)
+    """One per priced shape, in the order they were made."""
+    programs: dict[tuple[Any, ...], tuple[int, Program]] = field(default_factory=dict)
+    """``(variant id, program)`` by graph and segments: compiled once per distinct plan."""
+    hits: dict[Shapes, int] = field(default_factory=dict)
+    """How many calls of each bucket without a plan of its own ran a larger plan."""
+
+    def see(self, shapes: Shapes) -> None:
+        if self.first is None:
+            self.first = shapes
+            return
+        more = varying_dims([self.first, shapes])
+        if not set(more) <= set(self.varying):
+            self.varying = tuple(sorted(set(self.varying) | set(more)))
+
+
 class RuntimeState:
-    """Per-module state: the config, and one plan and program per input signature."""
+    """Per-module state: the config, and the plans and programs for the shapes it has met."""
 
     def __init__(self, config: ApplyConfig) -> None:
         self.config = config
         self.variants: OrderedDict[tuple[Any, ...], _Variant] = OrderedDict()
+        self.families: dict[tuple[Any, ...], _Family] = {}
         self.by_id: dict[int, _Variant] = {}
         self.last_plan: Plan | None = None
         self.installed: _Variant | None = None
@@ -126,9 +167,13 @@ class RuntimeState:
     # what they priced, and a new input shape is planned with the default loss, which never
     # assumes less than a real loss's gradient.
     def __getstate__(self) -> dict[str, Any]:
+        made: list[_Variant] = []
+        for variant in self.variants.values():
+            if not any(variant is other for other in made):
+                made.append(variant)
         return {
             "config": replace(self.config, loss_fn=None, optimizer=None),
-            "plans": [(v.key, v.plan) for v in self.variants.values()],
+            "plans": [(v.key, v.plan) for v in made],
             "last_plan": self.last_plan,
         }
 
@@ -151,20 +196,29 @@ class RuntimeState:
             warnings.warn(pipeline.cache_turned_off_warning(module), UserWarning, stacklevel=5)
         return uncached
 
-    def variant_for(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                    ) -> tuple[_Variant, dict[str, Any]]:
+    def variant_for(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    *, stated: bool = False) -> tuple[_Variant, dict[str, Any]]:
+        """The plan and program for this call: found by its signature, else chosen among the
+        plans of its input structure, else priced and compiled (``stated``: the call is the
+        largest the user will send, NOTE [ Buckets of shapes ] in
+        :mod:`autockpt.planning.buckets`)."""
         arguments = bind_inputs(module, args, kwargs)
         key = signature_key(arguments)
         variant = self.variants.get(key)
-        if variant is not None and variant.ready:
+        if variant is not None and variant.ready and not stated:
             self.variants.move_to_end(key)
             self.last_plan = variant.plan
             return variant, arguments
         with self._lock:
             variant = self.variants.get(key)
-            if variant is None or not variant.ready:
-                known = variant.plan if variant is not None else None
-                variant = self._build(module, args, kwargs, arguments, key, known)
+            if variant is None or not variant.ready or stated:
+                if (variant is not None and not variant.ready) or \
+                        self.config.fixed_plan is not None:
+                    known = variant.plan if variant is not None else None
+                    variant = self._build(module, args, kwargs, arguments, key, known)
+                else:
+                    variant = self._for_shape(module, args, kwargs, arguments, key, stated)
+                self._remember(key, variant)
             self.last_plan = variant.plan
             return variant, arguments
 
@@ -189,13 +243,109 @@ class RuntimeState:
                 ) from err
             variant.plan = replace(variant.plan, notes=(
                 *variant.plan.notes, _replanned_note(module, hooked)))
+            # The shared plans traced into those modules too: this structure is planned anew.
+            self.families.pop(structure_key(arguments), None)
+            self.variants = OrderedDict((k, v) for k, v in self.variants.items()
+                                        if v.graph is None)
+            self._remember(signature_key(arguments), variant)
             self.last_plan = variant.plan
             return variant
 
     def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-        """Plan and compile for these inputs now (``apply`` with example inputs)."""
+        """Plan and compile for these inputs now (``apply`` with example inputs): the plan
+        serves them and every call of the same structure no larger."""
+        variant, _ = self.variant_for(module, args, self.training_kwargs(module, args, kwargs),
+                                      stated=True)
+        return variant.plan
+
+    def plan_for(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> Plan:
+        """The plan a training forward with these inputs runs, made now if none serves them
+        (no forward runs)."""
         variant, _ = self.variant_for(module, args, self.training_kwargs(module, args, kwargs))
         return variant.plan
+
+    def _for_shape(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   arguments: dict[str, Any], key: tuple[Any, ...], stated: bool) -> _Variant:
+        """The plan of the call's structure that serves its shape, or a new one priced at its
+        bucket (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`)."""
+        family = self.families.setdefault(structure_key(arguments), _Family())
+        shapes = tensor_shapes(arguments)
+        family.see(shapes)
+        if not stated:
+            usable = [v for v in family.plans if _runs_at(v.graph, arguments)]
+            index = choose([v.priced for v in usable], [v.stated for v in usable], shapes,
+                           family.varying)
+            if index is not None:
+                return usable[index]
+            # NOTE [ Buckets of shapes ]: a larger plan serves a bucket met only once or so.
+            cover = covering([v.priced for v in usable], shapes)
+            if cover is not None:
+                bucket = target_shapes(shapes, family.varying)
+                family.hits[bucket] = family.hits.get(bucket, 0) + 1
+                if family.hits[bucket] < REPLAN_AFTER:
+                    return usable[cover]
+        target = _stated_target(self.config.max_shapes, arguments, shapes)
+        if target is not None:
+            stated = True
+        elif stated:
+            target = shapes
+        else:
+            target = target_shapes(shapes, family.varying)
+        try:
+            return self._price(module, args, kwargs, arguments, key, family, target, stated)
+        except Exception:
+            if target == shapes:
+                raise
+            # A size the model fixes (a branch on it), or a budget only the call's own size
+            # meets: its own shape, as a plan for one signature.
+            return self._price(module, args, kwargs, arguments, key, family, shapes, False)
+
+    def _price(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+               arguments: dict[str, Any], key: tuple[Any, ...], family: _Family,
+               target: Shapes, stated: bool) -> _Variant:
+        """Plan the call's structure at ``target`` (at least the call's shapes) on a shared
+        graph that takes both, compile it unless a program for the same segments exists, and
+        remember the plan in ``family``."""
+        shapes = tensor_shapes(arguments)
+        priced_args, priced_kwargs, priced = (args, kwargs, arguments) if target == shapes \
+            else resized_call(args, kwargs, arguments, target)
+        graph = next((g for g in family.graphs
+                      if _runs_at(g, arguments) and _runs_at(g, priced)), None)
+        if graph is None:
+            graph = pipeline.capture_shared(module, args, kwargs, self.config)
+            family.graphs.append(graph)
+            if not _runs_at(graph, priced):
+                raise AutockptError(f"the graph fixes a size of {describe_shapes(arguments)}",
+                                    fix="none needed: planned at the call's own shape")
+        built = pipeline.plan_shared(module, graph, priced_args, priced_kwargs, priced,
+                                     self.config)
+        plan = replace(built.plan, serves=_serves(arguments, target, family.varying, stated)
+                       if target != shapes or stated else "")
+        if isinstance(built, BlockPlan):
+            variant = _Variant(key=key, plan=plan, program=None, param_names=(),
+                               blocks=built.profile, priced=target, stated=stated, graph=graph)
+        else:
+            traced = built.traced
+            head = plan.chunked_head
+            program_key = (family.graphs.index(graph), repr(plan.segments),
+                           None if head is None else (head.chunk_rows, head.stretch.nodes))
+            found = family.programs.get(program_key)
+            if found is None:
+                variant_id = self._next_id
+                self._next_id += 1
+                found = (variant_id, pipeline.compile_plan(module, replace(built, plan=plan),
+                                                           variant_id))
+                family.programs[program_key] = found
+            variant_id, program = found
+            variant = _Variant(key=key, plan=plan, program=program,
+                               param_names=traced.spec.param_names, flatten=traced.flatten,
+                               unflatten=traced.unflatten,
+                               inlined=inlined_modules(module, traced.graph), priced=target,
+                               stated=stated, graph=graph)
+            self.by_id.setdefault(variant_id, variant)
+        family.plans.append(variant)
+        return variant
 
     def _build(
         self,
@@ -206,13 +356,13 @@ class RuntimeState:
         key: tuple[Any, ...],
         known: Plan | None,
     ) -> _Variant:
+        """A plan for this one signature: the config's fixed plan, one restored from a
+        pickle, or one made again with hooked modules kept whole."""
         built = pipeline.build(module, args, kwargs, arguments, self.config, known,
-                               self._next_id)
+                               self._next_id, dynamic=self.config.fixed_plan is None)
         if isinstance(built, BlockPlan):
-            variant = _Variant(key=key, plan=built.plan, program=None, param_names=(),
-                               blocks=built.profile)
-            self._remember(key, variant)
-            return variant
+            return _Variant(key=key, plan=built.plan, program=None, param_names=(),
+                            blocks=built.profile)
         variant_id = self._next_id
         self._next_id += 1
         traced = built.planned.traced
@@ -221,48 +371,69 @@ class RuntimeState:
                            unflatten=traced.unflatten,
                            inlined=inlined_modules(module, traced.graph))
         self.by_id[variant_id] = variant
-        self._remember(key, variant)
         return variant
 
     def _remember(self, key: tuple[Any, ...], variant: _Variant) -> None:
         self.variants[key] = variant
-        while len(self.variants) > MAX_VARIANTS:
-            _, old = self.variants.popitem(last=False)
-            self.by_id = {i: v for i, v in self.by_id.items() if v is not old}
+        self.variants.move_to_end(key)
+        while len(self.variants) > KNOWN_SHAPES:
+            self.variants.popitem(last=False)
 
 
-def signature_key(arguments: dict[str, Any]) -> tuple[Any, ...]:
-    """What makes two calls need different plans: tensor shapes, dtypes, devices and
-    ``requires_grad``, the values of Python constants (they are baked into the graph), and the
-    structure of nested inputs (a dict batch with another key, or a tensor where ``None`` was,
-    is another graph), down to the tensors and constants inside them."""
-    devices: set[str] = set()
-    key: list[Any] = [(name, _value_key(value, devices)) for name, value in arguments.items()]
-    # Autocast changes the dtype, so the size, of every activation: a plan made under
-    # bfloat16 autocast and reused without it (or the reverse) holds for the wrong sizes, and
-    # a bf16 plan run in float32 overshoots its budget. Plan once per autocast setting.
-    for device in sorted(devices):
-        if autocast_enabled(device):  # False for a device type autocast does not know
-            key.append(("autocast", device, torch.get_autocast_dtype(device)))
-    return tuple(key)
+def _runs_at(graph: TracedModel | NoGraph | None, arguments: dict[str, Any]) -> bool:
+    """Whether a plan made on ``graph`` runs a call bound to ``arguments`` (of its
+    structure)."""
+    if graph is None:
+        return False
+    return isinstance(graph, NoGraph) or graph.accepts(arguments)
 
 
-def _value_key(value: Any, devices: set[str]) -> Any:
-    if isinstance(value, torch.Tensor):
-        devices.add(value.device.type)
-        return (tuple(value.shape), value.dtype, value.device.type, value.requires_grad)
-    if isinstance(value, (type(None), bool, int, float, str)):
-        return (type(value).__name__, value)
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_value_key(item, devices) for item in value))
-    if isinstance(value, Mapping):
-        return (type(value).__name__,
-                tuple((key, _value_key(item, devices)) for key, item in value.items()))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__name__, tuple(
-            (f.name, _value_key(getattr(value, f.name), devices))
-            for f in dataclasses.fields(value)))
-    return type(value).__name__
+def describe_shapes(arguments: dict[str, Any], shapes: Shapes | None = None) -> str:
+    """``input_ids [4, 256], labels [4, 256]``: each tensor of a call and its shape."""
+    shapes = tensor_shapes(arguments) if shapes is None else shapes
+    return ", ".join(f"{name} {list(shape)}"
+                     for name, shape in zip(tensor_names(arguments), shapes))
+
+
+def _serves(arguments: dict[str, Any], target: Shapes, varying: tuple[tuple[int, int], ...],
+            stated: bool) -> str:
+    """What :attr:`Plan.serves` says of a plan priced at ``target``."""
+    shown = describe_shapes(arguments, target)
+    if stated:
+        return f"every call no larger than {shown} (the largest stated)"
+    names = tensor_names(arguments)
+    moving = sorted({names[t] for t, _ in varying})
+    return (f"every call no larger than {shown}: priced at the bucket of the sizes that vary "
+            f"({format_names(moving)})")
+
+
+def _stated_target(max_shapes: tuple[tuple[str, tuple[int | None, ...]], ...],
+                   arguments: dict[str, Any], shapes: Shapes) -> Shapes | None:
+    """The shapes a call is priced at under ``max_shapes=`` (``None`` where it names none of
+    the call's tensors): each stated size, and each size of the call's other tensors equal
+    to one raised, raised with it (the same length in ``attention_mask`` and ``labels`` as in
+    ``input_ids``)."""
+    if not max_shapes:
+        return None
+    names = tensor_names(arguments)
+    raised: dict[int, int] = {}
+    named = False
+    for name, largest in max_shapes:
+        if name not in names:
+            continue
+        named = True
+        have = shapes[names.index(name)]
+        if len(largest) != len(have):
+            raise InvalidArgumentError(
+                f"max_shapes gives {name} {len(largest)} dimensions ({list(largest)}); the "
+                f"call's {name} has {len(have)} ({list(have)})",
+                fix=f"give max_shapes[{name!r}] one size (or None) per dimension")
+        for size, most in zip(have, largest):
+            if most is not None and most > size:
+                raised[size] = max(raised.get(size, 0), most)
+    if not named:
+        return None
+    return tuple(tuple(raised.get(size, size) for size in dims) for dims in shapes)
 
 
 # --------------------------------------------------------------------------- the class

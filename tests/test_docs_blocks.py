@@ -248,6 +248,13 @@ CASES: dict[str, list[Run | RunElsewhere | NotRun]] = {
     "docs/plan-columns.md": [
         Run(PLAN_COLUMNS, check="plan.segments and plan.skipped"),
     ],
+    "docs/shapes.md": [
+        Run("", check="autockpt.plan_of(model).budget_bytes == 8 * 2**20 and "
+            "sum(len(f.graphs) for f in model.__dict__['_autockpt'].families.values()) == 1"),
+        Run("", check="'input_ids [4, 256]' in autockpt.plan_of(model).serves and "
+            "'largest stated' in autockpt.plan_of(model).serves and "
+            "sum(len(f.plans) for f in model.__dict__['_autockpt'].families.values()) == 1"),
+    ],
     "docs/training-checkpoints.md": [
         *[RunElsewhere("tests/test_checkpoints_docs.py::test_user_guide_code_runs")] * 7,
         NotRun(), NotRun(),

@@ -9,7 +9,8 @@ modules rung (profiled in :mod:`autockpt.profiling.blocks`).
 
 Modules: ``ladder`` (the rungs, hooks and sharded models), ``trace`` (torch.fx and
 torch.export tracing, twins of the user's module), ``draws`` (the random-draw guards, as
-OpWatch observers), ``meta`` (planning a model on the meta device).
+OpWatch observers), ``meta`` (planning a model on the meta device), ``shapes`` (input structures and
+shapes, and the sizes a captured graph takes).
 """
 
 from autockpt.capturing.ladder import CAPTURES, NoGraph, capture

@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch import nn
 
 from autockpt.capturing.meta import MetaAutocastError
+from autockpt.capturing.shapes import input_dims
 from autockpt.capturing.trace import (
     TracedModel,
     TraceSpec,
@@ -88,8 +89,14 @@ def capture(
     kwargs: dict[str, Any],
     method: str = "auto",
     keep_whole: Sequence[str] = (),
+    *,
+    dynamic: bool = False,
 ) -> TracedModel | NoGraph:
     """Capture ``module``'s forward for these inputs with the first rung that works.
+
+    With ``dynamic``, the export rung marks every input size dynamic, so that the graph serves
+    every shape it admits (NOTE [ One graph for every shape ] in
+    :mod:`autockpt.capturing.shapes`); a torch.fx graph does so anyway.
 
     Returns :class:`NoGraph` when only the ``"modules"`` rung is left (or asked for).
 
@@ -118,7 +125,7 @@ def capture(
     # torch.fx calls a random op with no traced argument for real (``torch.rand([])`` in
     # LayerDrop): the draws of a capture are not the user's.
     with rng_forked(module, args, kwargs):
-        return _capture(module, args, kwargs, method, keep_whole)
+        return _capture(module, args, kwargs, method, keep_whole, dynamic)
 
 
 # NOTE [ Python's random numbers while tracing ]
@@ -161,7 +168,7 @@ def _same_numpy_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 
 def _capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], method: str,
-             keep_whole: Sequence[str]) -> TracedModel | NoGraph:
+             keep_whole: Sequence[str], dynamic: bool = False) -> TracedModel | NoGraph:
     reasons: list[str] = []
     fx_failure: TraceError | None = None
     rungs = RUNGS if method == "auto" else (method,)
@@ -180,7 +187,7 @@ def _capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], m
                             f"must stay whole ({format_names(keep_whole)})",
                             fix="use a rung that keeps module calls: 'fx', 'fx-leaves' or "
                             "'modules'")
-                    traced = export_trace(module, args, kwargs)
+                    traced = export_trace(module, args, kwargs, dynamic=dynamic)
                 elif fx_failure is None:
                     traced = trace_with_leaves(module, args, kwargs, leaves=keep_whole)
                 else:
@@ -389,11 +396,13 @@ def _no_stack_traces() -> Iterator[None]:
         config.do_not_emit_stack_traces = saved
 
 
-def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> TracedModel:
+def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                 dynamic: bool = False) -> TracedModel:
     """Capture the forward with :func:`torch.export.export` (non-strict, train mode).
 
-    See NOTE [ Export in train mode, on a view ].
+    See NOTE [ Export in train mode, on a view ]. With ``dynamic``, every dimension of every
+    tensor input is ``Dim.AUTO`` (NOTE [ One graph for every shape ] in
+    :mod:`autockpt.capturing.shapes`); where torch.export refuses that, the sizes are fixed.
 
     Example:
         >>> import torch
@@ -420,7 +429,7 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         view.train()
         with _no_stack_traces(), contextlib.redirect_stderr(printed), \
                 functions_applied(inlined):
-            exported = torch.export.export(view, (), dict(arguments), strict=False)
+            exported = _export(view, dict(arguments), dynamic)
     except MetaAutocastError:
         raise  # the model cannot be planned on meta by any rung: said as it is
     except Exception as err:  # export raises many kinds; all mean "not exportable"
@@ -488,6 +497,7 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         spec=TraceSpec(param_names=placeholders, constants=()),
         constants=constants,
         capture="export",
+        input_dims=input_dims(graph, exported.range_constraints),
         flatten=flatten,
         unflatten=unflatten,
         notes=(f"torch.export traced into the custom autograd Function "
@@ -495,6 +505,26 @@ def export_trace(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
                "can save more for backward than its own backward needs; capture='fx', where "
                "the model traces, keeps it whole",) if inlined else (),
     )
+
+
+def _export(view: nn.Module, arguments: dict[str, Any], dynamic: bool) -> Any:
+    """``torch.export.export`` of ``view`` called with ``arguments``, every tensor size
+    ``Dim.AUTO`` where ``dynamic`` and torch.export takes it."""
+    if dynamic:
+        import torch.utils._pytree as pytree
+        from torch.export import Dim
+
+        shapes = pytree.tree_map(
+            lambda value: {i: Dim.AUTO for i in range(value.dim())}
+            if isinstance(value, torch.Tensor) else None, arguments)
+        try:
+            return torch.export.export(view, (), arguments, dynamic_shapes=shapes,
+                                       strict=False)
+        except MetaAutocastError:
+            raise
+        except Exception:  # noqa: BLE001 - fixed sizes are tried next, and say why they fail
+            pass
+    return torch.export.export(view, (), arguments, strict=False)
 
 
 # NOTE [ Unlifting the exported graph ]

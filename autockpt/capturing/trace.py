@@ -42,7 +42,7 @@ import weakref
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -52,6 +52,9 @@ from autockpt.capturing.draws import NoRealDraw
 from autockpt.errors import InvalidArgumentError, TraceError
 from autockpt.ops.instrument import OpWatch
 from autockpt.units import format_names
+
+if TYPE_CHECKING:
+    from autockpt.capturing.shapes import InputDims
 
 __all__ = ["TraceSpec", "TracedModel", "trace", "bind_inputs", "forward_signature",
            "split_inputs", "describe_inputs", "module_path", "base_class", "shallow_view",
@@ -94,6 +97,21 @@ class TracedModel:
     """Rebuilds the forward's real output from what the graph returns; ``None``: as it is."""
     notes: tuple[str, ...] = ()
     """What the plan must say about the graph (custom autograd Functions traced into)."""
+    input_dims: InputDims | None = None
+    """The input sizes the graph runs at (an exported graph); ``None``: any (torch.fx reads
+    sizes in the graph). NOTE [ One graph for every shape ] in
+    :mod:`autockpt.capturing.shapes`."""
+
+    def accepts(self, arguments: dict[str, Any]) -> bool:
+        """Whether the graph runs on a call bound to ``arguments`` of this graph's input
+        structure."""
+        if self.input_dims is None:
+            return True
+        try:
+            values = self.graph_inputs(arguments)
+        except Exception:  # noqa: BLE001 - another structure than the graph's
+            return False
+        return self.input_dims.accepts(values)
 
     @property
     def graph(self) -> fx.Graph:
@@ -574,6 +592,17 @@ def trace(
     finally:
         for mod, was_training in flags:
             mod.training = was_training
+    read = [str(n.target) for n in graph.nodes
+            if n.op == "placeholder" and str(n.target).startswith("**") and n.users]
+    if read:
+        # torch.fx makes **kwargs one placeholder and traces what the forward does with the
+        # dict (``kwargs.get("scale", 1.0)``) as graph ops on it, which the generated code
+        # cannot run: the keywords are inputs one by one.
+        raise TraceError(
+            f"{cls.__name__}.forward reads {read[0]}, which torch.fx traces as one value",
+            fix="capture='export' takes the keywords; or give the forward named parameters",
+            model_name=cls.__name__,
+        )
     tensor_constants = {}
     for node in graph.nodes:
         if node.op == "get_attr" and not has_attr_path(module, node.target):

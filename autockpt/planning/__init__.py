@@ -11,7 +11,8 @@ Modules: ``chain`` (the forward as a chain of stages), ``memory_model`` (the pea
 ``optimal`` (the dynamic programme for one level of segments), ``search`` (its bounded
 search), ``nested`` (segments inside segments), ``planner`` (strategies, budgets, the
 :class:`Plan`), ``budget`` (the whole device), ``head`` (the chunked head found and priced),
-``blocks`` (the modules rung's plan), ``gc`` (the collector paused while planning).
+``blocks`` (the modules rung's plan), ``gc`` (the collector paused while planning),
+``buckets`` (which plan serves a call of a new shape, and where a new plan is priced).
 """
 
 from autockpt.planning.budget import DeviceBudget

@@ -182,6 +182,12 @@ class Plan:
     modelled_peak_bytes: int | None = None
     """Where :attr:`estimate` is ``"replay"``: the memory model's estimate of the plan's peak,
     by which the search chose it; ``None`` where :attr:`estimated_peak_bytes` is that."""
+    serves: str = ""
+    """Which calls a transformed module runs this plan for, where it was priced at a shape
+    other than its first call's: the largest sizes it serves (a bucket's, or the largest the
+    user stated), for every call of the same input structure no larger in any dimension
+    (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`); ``""``: the shape of
+    :attr:`input_signature` and the smaller ones a stated largest shape covers."""
     cost_model: str = "flops"
     """What the recompute cost the segments were chosen by measures: ``"flops"`` (FLOPs plus
     bytes written, from the fake-tensor profile; the same plan every time) or ``"profile"``

@@ -1,0 +1,255 @@
+"""Every batch its own shape: whole training loops whose batches change shape, planning included.
+
+Three loops, as users run them (docs/shapes.md):
+
+- ``gpt2``: Hugging Face GPT-2 from a small config (6 layers, d 256, vocabulary 8192), batch 4,
+  12 batches padded per batch as a padding collator pads them (each row its own length between
+  32 and 256 tokens; the mask zero and the labels -100 on the padding), ``labels=`` inside;
+- ``bert``: ``BertForMaskedLM`` (4 layers, d 256), the same padding, 15% of the tokens masked;
+- ``cnn``: torchvision's ResNet-18 (no weights) on images of 8 sizes between 160 and 320 pixels
+  (multi-scale training), batch 8, the cross-entropy outside the model, passed as ``loss_fn``.
+
+Methods, each on a deep copy of the same seeded model and the same batches:
+
+- ``none``: no checkpointing;
+- ``every block``: every block checkpointed by hand (Hugging Face's
+  ``gradient_checkpointing_enable()``; for the CNN, each residual block under
+  ``torch.utils.checkpoint.checkpoint``);
+- ``autockpt``: ``autockpt.apply(model, budget_mb=B)`` without example inputs, where ``B`` is
+  the largest peak ``every block`` measured over the loop (the same memory).
+
+Columns: the whole loop's seconds (planning included, median of ``--repeat`` loops run
+round-robin across the methods, each on a fresh copy), its ratio to ``every block``, the largest
+measured activation peak of a step (``autockpt.measure``, in a second pass over the same
+batches: parameters, gradients and inputs left out) and its ratio to the budget, the plans and captures autockpt made, and whether
+every loss of the loop equals that of ``none``.
+
+    python benchmarks/shapes.py                   # all three loops
+    python benchmarks/shapes.py --loops gpt2 --repeat 1 --json out.json
+
+Timings on a shared machine are noisy: compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autockpt  # noqa: E402
+
+MIB = 2**20
+
+Batch = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def padded_batches(count: int, batch: int, vocab: int, lowest: int, highest: int, seed: int,
+                   masked_lm: bool = False) -> list[Batch]:
+    """Batches as a padding collator makes them: each row its own length, padded to the
+    longest row of its batch."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        lengths = [rng.randint(lowest, highest) for _ in range(batch)]
+        width = max(lengths)
+        ids = torch.randint(1, vocab, (batch, width), generator=gen)
+        mask = torch.zeros(batch, width, dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, :length] = 1
+        ids = ids * mask
+        labels = ids.masked_fill(mask == 0, -100)
+        if masked_lm:
+            chosen = (torch.rand(batch, width, generator=gen) < 0.15) & (mask == 1)
+            labels = ids.masked_fill(~chosen, -100)
+            ids = ids.masked_fill(chosen, 3)
+        out.append(((), {"input_ids": ids, "attention_mask": mask, "labels": labels}))
+    return out
+
+
+def image_batches(count: int, batch: int, seed: int) -> list[Batch]:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [160, 192, 224, 256, 288, 320]
+    out = []
+    for _ in range(count):
+        side = rng.choice(sizes)
+        out.append(((torch.randn(batch, 3, side, side, generator=gen),), {}))
+    return out
+
+
+def gpt2_loop() -> tuple[torch.nn.Module, list[Batch], Callable[..., Any] | None, str]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=6, n_embd=256, n_head=4, vocab_size=8192, n_positions=512,
+                        bos_token_id=0, eos_token_id=0)
+    return (GPT2LMHeadModel(config).train(), padded_batches(12, 4, 8192, 32, 256, 1), None,
+            "hf")
+
+
+def bert_loop() -> tuple[torch.nn.Module, list[Batch], Callable[..., Any] | None, str]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                        intermediate_size=1024, vocab_size=8192, max_position_embeddings=512)
+    return (BertForMaskedLM(config).train(),
+            padded_batches(12, 8, 8192, 32, 256, 2, masked_lm=True), None, "hf")
+
+
+def cnn_loop() -> tuple[torch.nn.Module, list[Batch], Callable[..., Any] | None, str]:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=100).train()
+    targets = torch.randint(0, 100, (8,), generator=torch.Generator().manual_seed(3))
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets[: logits.shape[0]])
+
+    return model, image_batches(8, 8, 3), loss_fn, "blocks"
+
+
+LOOPS = {"gpt2": gpt2_loop, "bert": bert_loop, "cnn": cnn_loop}
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block run under ``torch.utils.checkpoint.checkpoint`` (by hand)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def every_block(model: torch.nn.Module, how: str) -> torch.nn.Module:
+    model = copy.deepcopy(model)
+    if how == "hf":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        return model
+    for layer in (model.layer1, model.layer2, model.layer3, model.layer4):
+        for i in range(len(layer)):
+            layer[i] = _Checkpointed(layer[i])
+    return model
+
+
+def step(model: torch.nn.Module, batch: Batch, loss_fn: Callable[..., Any] | None) -> float:
+    args, kwargs = batch
+    outputs = model(*args, **kwargs)
+    loss = loss_fn(outputs) if loss_fn is not None else outputs.loss
+    loss.backward()
+    value = float(loss.detach())
+    del outputs, loss
+    for p in model.parameters():
+        p.grad = None
+    return value
+
+
+def run_loop(make: Callable[[], torch.nn.Module], batches: list[Batch],
+             loss_fn: Callable[..., Any] | None) -> tuple[float, list[float], torch.nn.Module]:
+    model = make()
+    start = time.perf_counter()
+    losses = [step(model, batch, loss_fn) for batch in batches]
+    return time.perf_counter() - start, losses, model
+
+
+def peaks(model: torch.nn.Module, batches: list[Batch], loss_fn: Callable[..., Any] | None
+          ) -> list[int]:
+    """The measured activation peak of a training step on each batch (``autockpt.measure``:
+    parameters, their gradients and the inputs left out)."""
+    return [autockpt.measure(model, args, example_kwargs=kwargs,
+                             loss_fn=loss_fn).peak_activation_bytes for args, kwargs in batches]
+
+
+def bench(name: str, repeat: int) -> list[dict[str, Any]]:
+    base, batches, loss_fn, how = LOOPS[name]()
+    hand = every_block(base, how)
+    hand_peaks = peaks(hand, batches, loss_fn)
+    budget_mb = max(hand_peaks) / MIB
+    makers: dict[str, Callable[[], torch.nn.Module]] = {
+        "none": lambda: copy.deepcopy(base),
+        "every block": lambda: every_block(base, how),
+        "autockpt": lambda: autockpt.apply(copy.deepcopy(base), budget_mb=budget_mb,
+                                           loss_fn=loss_fn),
+    }
+    times: dict[str, list[float]] = {m: [] for m in makers}
+    losses: dict[str, list[float]] = {}
+    last: dict[str, torch.nn.Module] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(repeat):
+            for method, make in makers.items():
+                torch.manual_seed(0)
+                seconds, lost, model = run_loop(make, batches, loss_fn)
+                times[method].append(seconds)
+                losses[method] = lost
+                last[method] = model
+        step_peaks = {m: (hand_peaks if m == "every block" else peaks(last[m], batches, loss_fn))
+                      for m in makers}
+    state = last["autockpt"]._autockpt
+    plans = sum(len(f.plans) for f in state.families.values())
+    graphs = sum(len(f.graphs) for f in state.families.values())
+    hand_time = statistics.median(times["every block"])
+    rows = []
+    for method in makers:
+        seconds = statistics.median(times[method])
+        worst = max(step_peaks[method])
+        rows.append({
+            "loop": name, "method": method, "batches": len(batches),
+            "shapes": len({tuple(t.shape for t in (*b[0], *b[1].values())) for b in batches}),
+            "loop_s": round(seconds, 3), "vs_every_block": round(seconds / hand_time, 3),
+            "max_peak_mib": round(worst / MIB, 2),
+            "peak_vs_budget": round(worst / (budget_mb * MIB), 3),
+            "plans": plans if method == "autockpt" else None,
+            "captures": graphs if method == "autockpt" else None,
+            "losses_equal": all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
+                                for a, b in zip(losses[method], losses["none"])),
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=list(LOOPS))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rows = [row for loop in args.loops for row in bench(loop, args.repeat)]
+    header = (f"{'loop':5} {'method':12} {'batches':>7} {'shapes':>6} {'loop s':>7} "
+              f"{'x every block':>13} {'max peak MiB':>12} {'x budget':>8} {'plans':>5} "
+              f"{'captures':>8} {'losses':>6}")
+    print(header)
+    for r in rows:
+        print(f"{r['loop']:5} {r['method']:12} {r['batches']:>7} {r['shapes']:>6} "
+              f"{r['loop_s']:>7.2f} {r['vs_every_block']:>13.2f} {r['max_peak_mib']:>12.1f} "
+              f"{r['peak_vs_budget']:>8.3f} {r['plans'] if r['plans'] is not None else '':>5} "
+              f"{r['captures'] if r['captures'] is not None else '':>8} "
+              f"{'equal' if r['losses_equal'] else 'DIFFER':>6}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

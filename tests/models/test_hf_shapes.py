@@ -1,0 +1,84 @@
+"""Hugging Face models on batches padded per batch, as a padding collator makes them: one
+torch.export capture for every length, the budget kept at every step with ``outputs`` held
+through backward, and every gradient equal to the untouched twin's (NOTE [ One graph for every
+shape ] in autockpt/capturing/shapes.py)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import autockpt
+from tests.helpers import assert_same_tensors, grads_of, loop_peak_bytes
+
+pytestmark = pytest.mark.models
+
+transformers = pytest.importorskip("transformers")
+
+MIB = 2**20
+LENGTHS = [48, 21, 64, 35, 57, 30, 64, 12]
+
+
+def _batch(length: int, seed: int, vocab: int, masked_lm: bool) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = [length, *torch.randint(max(1, length // 2), length + 1, (2,), generator=gen).tolist()]
+    ids = torch.randint(5, vocab, (3, length), generator=gen)
+    mask = torch.zeros(3, length, dtype=torch.long)
+    for row, size in enumerate(rows):
+        mask[row, :size] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    if masked_lm:
+        labels = labels.masked_fill(torch.rand(3, length, generator=gen) > 0.3, -100)
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+
+
+def _model(name: str) -> tuple[torch.nn.Module, bool]:
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=512,
+                                         n_positions=128, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config), False
+    config = transformers.BertConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=512,
+                                     max_position_embeddings=128)
+    return transformers.BertForMaskedLM(config), True
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_padded_batches_are_captured_once_and_keep_the_budget(name: str) -> None:
+    net, masked_lm = _model(name)
+    largest = _batch(64, 0, 512, masked_lm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = autockpt.plan(net, example_kwargs=largest)
+    budget_bytes = base.baseline_peak_bytes // 2
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB)
+    twin = copy.deepcopy(net).train()
+    model.train()
+    for step, length in enumerate(LENGTHS):
+        batch = _batch(length, step + 1, 512, masked_lm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # GPT-2 trains with use_cache=True: said once
+            torch.manual_seed(step)
+            outputs = model(**batch)
+            outputs.loss.backward()
+            torch.manual_seed(step)
+            expected = twin(**batch)
+            expected.loss.backward()
+        torch.testing.assert_close(outputs.loss, expected.loss)
+        assert_same_tensors(grads_of(model), grads_of(twin), what=f"length {length} grad ",
+                            allow_none=True)
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peak = loop_peak_bytes(model, batch, hold=True)
+        assert peak <= budget_bytes * 1.05, (length, peak / MIB, budget_bytes / MIB)
+        assert autockpt.plan_of(model).capture == "export"
+    families = model.__dict__["_autockpt"].families.values()
+    assert sum(len(f.graphs) for f in families) == 1
+    assert sum(len(f.plans) for f in families) < len(set(LENGTHS))

@@ -1,0 +1,333 @@
+"""Every batch its own shape: one capture per input structure, plans per bucket of shapes,
+programs shared by the plans with the same segments, and the budget and the gradients kept at
+every shape (NOTE [ One graph for every shape ] in autockpt/capturing/shapes.py, NOTE
+[ Buckets of shapes ] in autockpt/planning/buckets.py).
+
+Each loop trains the transformed model and an identically seeded twin on the same batches and
+compares every gradient; peaks are measured by ``autockpt.measure`` on the shape run.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autockpt
+from autockpt import pipeline
+from autockpt.planning.buckets import (REPLAN_AFTER, bucket_size, choose, covering,
+                                       target_shapes, varying_dims)
+from tests.helpers import assert_same_step, train_step
+
+MIB = 2**20
+
+
+class ConvNet(nn.Module):
+    """Traced by torch.fx: sizes are read in the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = 3
+        for out in (16, 16, 32, 32, 32, 32):
+            layers += [nn.Conv2d(width, out, 3, padding=1), nn.BatchNorm2d(out), nn.ReLU()]
+            width = out
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean((2, 3)))
+
+
+class Tokens(nn.Module):
+    """Taking a keyword through ``**kwargs``, which torch.fx cannot name, so torch.export
+    captures it; a branch on the length when ``branch`` is set."""
+
+    def __init__(self, branch: bool = False) -> None:
+        super().__init__()
+        self.branch = branch
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1),
+                          nn.Linear(128, 32)) for _ in range(4))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        h = self.embed(ids) * kwargs.get("scale", 1.0)
+        if self.branch and ids.shape[1] > 16:
+            h = h * 2
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def token_loss(logits: torch.Tensor) -> torch.Tensor:
+    return logits.logsumexp(-1).mean()
+
+
+def image_loss(logits: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long))
+
+
+def _state(model: nn.Module) -> Any:
+    return model.__dict__["_autockpt"]
+
+
+def _counts(model: nn.Module) -> tuple[int, int, int]:
+    families = _state(model).families.values()
+    return (sum(len(f.graphs) for f in families), sum(len(f.plans) for f in families),
+            sum(len(f.programs) for f in families))
+
+
+def _planned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the plans priced (each a fake-tensor profile of the step)."""
+    calls: list[int] = []
+    real = pipeline.plan_shared
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "plan_shared", counted)
+    return calls
+
+
+# --------------------------------------------------------------------------- plain numbers
+
+
+@pytest.mark.parametrize(("size", "bucket"), [
+    (1, 1), (8, 8), (9, 10), (31, 32), (33, 40), (64, 64), (65, 80), (100, 112), (129, 160),
+    (255, 256), (257, 320), (1000, 1024), (1025, 1280)])
+def test_bucket_size(size: int, bucket: int) -> None:
+    assert bucket_size(size) == bucket
+
+
+def test_buckets_are_at_most_a_quarter_above_and_four_per_doubling() -> None:
+    buckets = {bucket_size(n) for n in range(9, 4097)}
+    for n in range(1, 4097):
+        assert n <= bucket_size(n) <= max(n, int(n * 1.25) + 1)
+    for k in range(4, 12):
+        assert len([b for b in buckets if 2**k < b <= 2**(k + 1)]) == 4
+
+
+def test_varying_and_target_shapes_round_only_the_sizes_that_vary() -> None:
+    seen = [((4, 100), (4, 100), (3,)), ((4, 70), (4, 70), (3,))]
+    varying = varying_dims(seen)
+    assert varying == ((0, 1), (1, 1))
+    assert target_shapes(((4, 70), (4, 70), (3,)), varying) == ((4, 80), (4, 80), (3,))
+    assert target_shapes(((4, 70),), ()) == ((4, 70),)
+
+
+def test_choose_takes_the_least_plan_within_the_bucket_or_a_stated_one() -> None:
+    priced = [((4, 256),), ((4, 128),), ((4, 112),)]
+    assert choose(priced, [False] * 3, ((4, 100),), [(0, 1)]) == 2
+    assert choose(priced, [False] * 3, ((4, 120),), [(0, 1)]) == 1
+    assert choose(priced, [False] * 3, ((4, 60),), [(0, 1)]) is None  # bucket 64
+    assert choose(priced, [True, False, False], ((4, 60),), [(0, 1)]) == 0
+    assert choose(priced, [False] * 3, ((8, 60),), [(0, 1)]) is None  # larger batch
+    assert covering(priced, ((4, 60),)) == 2
+    assert covering(priced, ((4, 300),)) is None
+
+
+# --------------------------------------------------------------------------- loops
+
+
+def _image_loop(model: nn.Module, twin: nn.Module, sizes: list[tuple[int, int, int]],
+                budget_bytes: int) -> None:
+    for step, (batch, height, width) in enumerate(sizes):
+        x = torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(step))
+        got = train_step(model, image_loss, (x,), seed=step)
+        want = train_step(twin, image_loss, (x,), seed=step)
+        assert_same_step(got, want, what=f"step {step} {tuple(x.shape)}: ")
+        peak = autockpt.measure(model, (x,), loss_fn=image_loss).peak_activation_bytes
+        assert peak <= budget_bytes * 1.05, (step, tuple(x.shape), peak, budget_bytes)
+
+
+def test_a_torch_fx_model_at_changing_image_sizes_is_captured_once() -> None:
+    torch.manual_seed(0)
+    net = ConvNet()
+    largest = autockpt.plan(net, (torch.randn(4, 3, 48, 48),), loss_fn=image_loss)
+    budget_bytes = largest.baseline_peak_bytes // 2
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB, loss_fn=image_loss)
+    sizes = [(4, 32, 32), (4, 48, 48), (4, 40, 40), (4, 44, 36), (3, 48, 48), (4, 32, 32),
+             (2, 24, 40), (4, 36, 36), (4, 40, 40), (4, 46, 46)]
+    _image_loop(model, copy.deepcopy(net), sizes, budget_bytes)
+    graphs, plans, programs = _counts(model)
+    assert graphs == 1
+    assert plans < len(set(sizes))
+    assert programs <= plans
+    # BatchNorm's statistics were updated once per step, as the twin's (compared above).
+
+
+def test_the_first_plan_is_made_at_the_first_shape_exactly() -> None:
+    model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
+    model(torch.randn(2, 3, 30, 30)).sum().backward()
+    plan = autockpt.plan_of(model)
+    assert "[2, 3, 30, 30]" in plan.input_signature and plan.serves == ""
+    # A second size: the varying sizes are rounded up to their bucket.
+    model(torch.randn(2, 3, 50, 50)).sum().backward()
+    plan = autockpt.plan_of(model)
+    assert "[2, 3, 56, 56]" in plan.input_signature
+    assert "serves" in str(plan) and "x [2, 3, 56, 56]" in plan.serves
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_an_exported_model_at_changing_lengths_is_captured_once(mode: str) -> None:
+    torch.manual_seed(0)
+    net = Tokens()
+    lengths = [40, 23, 64, 33, 17, 50, 61, 40, 9, 64, 28, 45]
+    make = lambda n, s: torch.randint(0, 64, (4, n), generator=torch.Generator().manual_seed(s))  # noqa: E731
+    base = autockpt.plan(net, example_kwargs={"ids": make(64, 0), "scale": 2.0},
+                         loss_fn=token_loss)
+    budget_bytes = base.baseline_peak_bytes * 6 // 10
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB, mode=mode,
+                           loss_fn=token_loss)
+    twin = copy.deepcopy(net)
+    for step, length in enumerate(lengths):
+        ids = make(length, step)
+        got = train_step(model, token_loss, (ids,), {"scale": 2.0}, seed=step)
+        want = train_step(twin, token_loss, (ids,), {"scale": 2.0}, seed=step)
+        assert_same_step(got, want, what=f"step {step} length {length}: ")
+        assert autockpt.plan_of(model).capture == "export"
+        peak = autockpt.measure(model, (ids,), example_kwargs={"scale": 2.0},
+                                loss_fn=token_loss).peak_activation_bytes
+        assert peak <= budget_bytes * 1.05, (length, peak, budget_bytes)
+    graphs, plans, programs = _counts(model)
+    assert graphs == 1 and plans < len(set(lengths)) and programs <= plans
+
+
+def test_a_size_the_model_branches_on_gets_a_graph_of_its_own() -> None:
+    torch.manual_seed(0)
+    net = Tokens(branch=True)
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=None, loss_fn=token_loss)
+    twin = copy.deepcopy(net)
+    for step, length in enumerate([32, 24, 12, 8, 40, 16]):
+        ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(step))
+        got = train_step(model, token_loss, (ids,), {"scale": 0.5}, seed=step)
+        want = train_step(twin, token_loss, (ids,), {"scale": 0.5}, seed=step)
+        assert_same_step(got, want, what=f"length {length}: ")
+    graphs, _, _ = _counts(model)
+    assert graphs == 2  # one for the lengths above 16, one for the rest
+
+
+def test_shapes_met_again_are_never_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    planned = _planned(monkeypatch)
+    model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
+    sides = list(range(20, 60, 2))  # 20 shapes: more than the 8 an older release kept
+    for _ in range(2):
+        for side in sides:
+            model(torch.randn(2, 3, side, side)).sum().backward()
+        made = len(planned)
+    assert made == len(planned)  # the second pass planned nothing
+    assert len(planned) <= len({bucket_size(s) for s in sides}) + 1
+
+
+def test_a_bucket_met_once_runs_a_larger_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    planned = _planned(monkeypatch)
+    model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
+    model(torch.randn(2, 3, 64, 64)).sum().backward()
+    first = autockpt.plan_of(model)
+    model(torch.randn(2, 3, 30, 30)).sum().backward()
+    assert autockpt.plan_of(model) is first and len(planned) == 1
+    for _ in range(REPLAN_AFTER - 1):
+        model(torch.randn(2, 3, 31, 31)).sum().backward()  # the same bucket, 32
+    assert len(planned) == 2 and "[2, 3, 32, 32]" in autockpt.plan_of(model).input_signature
+
+
+def test_plans_with_the_same_segments_share_one_program() -> None:
+    model = autockpt.apply(ConvNet(), budget_mb=1000.0, loss_fn=image_loss)
+    for side in (16, 40, 24, 64, 33, 47):
+        for _ in range(REPLAN_AFTER):
+            model(torch.randn(2, 3, side, side)).sum().backward()
+    _, plans, programs = _counts(model)
+    assert plans >= 3 and programs == 1  # nothing checkpointed at any size
+
+
+def test_example_inputs_at_the_largest_shape_serve_every_smaller_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    net = ConvNet()
+    x = torch.randn(4, 3, 48, 48)
+    budget_bytes = autockpt.plan(net, (x,), loss_fn=image_loss).baseline_peak_bytes // 2
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB,
+                           example_inputs=(x,), loss_fn=image_loss)
+    plan = autockpt.plan_of(model)
+    assert "largest stated" in plan.serves
+    planned = _planned(monkeypatch)
+    _image_loop(model, copy.deepcopy(net), [(4, 20, 20), (2, 48, 30), (4, 33, 47)],
+                budget_bytes)
+    assert planned == [] and autockpt.plan_of(model) is plan
+
+
+def test_max_shapes_plans_once_for_the_whole_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    net = Tokens()
+    budget_bytes = autockpt.plan(net, example_kwargs={"ids": torch.zeros(4, 64, dtype=torch.long)},
+                                 loss_fn=token_loss).baseline_peak_bytes // 2
+    planned = _planned(monkeypatch)
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB,
+                           max_shapes={"ids": (None, 64)}, loss_fn=token_loss)
+    twin = copy.deepcopy(net)
+    for step, length in enumerate([10, 64, 37, 50, 21]):
+        ids = torch.randint(0, 64, (4, length), generator=torch.Generator().manual_seed(step))
+        assert_same_step(train_step(model, token_loss, (ids,), seed=step),
+                         train_step(twin, token_loss, (ids,), seed=step))
+        peak = autockpt.measure(model, (ids,), loss_fn=token_loss).peak_activation_bytes
+        assert peak <= budget_bytes * 1.05
+    assert len(planned) == 1
+    plan = autockpt.plan_of(model)
+    assert "ids [4, 64]" in plan.serves and "largest stated" in plan.serves
+
+
+@pytest.mark.parametrize(("max_shapes", "message"), [
+    ({"input": (None, 8)}, "not an argument of ConvNet.forward"),
+    ({"x": (None, 3, 0, 8)}, "tuple of positive ints"),
+    ({"x": 64}, "tuple of positive ints"),
+    ({}, "non-empty dict"),
+])
+def test_bad_max_shapes_are_refused(max_shapes: Any, message: str) -> None:
+    net = ConvNet()
+    before = copy.deepcopy(net.state_dict())
+    with pytest.raises(autockpt.InvalidArgumentError, match=message):
+        autockpt.apply(net, budget_mb=1.0, max_shapes=max_shapes)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_max_shapes_of_another_rank_is_refused_at_the_call() -> None:
+    model = autockpt.apply(ConvNet(), budget_mb=None, max_shapes={"x": (None, 3, 8)})
+    with pytest.raises(autockpt.InvalidArgumentError, match="3 dimensions"):
+        model(torch.zeros(2, 3, 4, 4))
+
+
+def test_plan_of_with_inputs_plans_without_running_a_forward() -> None:
+    net = ConvNet()
+    model = autockpt.apply(net, budget_mb=None, loss_fn=image_loss)
+    stats = [b.clone() for b in net.buffers()]
+    plan = autockpt.plan_of(model, torch.randn(2, 3, 40, 40))
+    assert "[2, 3, 40, 40]" in plan.input_signature
+    assert all(p.grad is None for p in net.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(stats, net.buffers()))
+    assert autockpt.plan_of(model) is plan
+    model(torch.randn(2, 3, 40, 40)).sum().backward()
+    assert autockpt.plan_of(model) is plan
+
+
+def test_a_module_that_met_many_shapes_pickles_and_trains_on() -> None:
+    torch.manual_seed(0)
+    net = ConvNet()
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=None, loss_fn=image_loss)
+    for side in (20, 40, 30, 40):
+        model(torch.randn(2, 3, side, side)).sum().backward()
+    model.zero_grad(set_to_none=True)
+    restored = pickle.loads(pickle.dumps(model))
+    twin = copy.deepcopy(net)
+    twin.load_state_dict(restored.state_dict())
+    for step, side in enumerate((40, 26)):
+        x = torch.randn(2, 3, side, side)
+        assert_same_step(train_step(restored, image_loss, (x,), seed=step),
+                         train_step(twin, image_loss, (x,), seed=step))
