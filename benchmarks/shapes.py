@@ -21,8 +21,8 @@ Methods, each on a deep copy of the same seeded model and the same batches:
 Columns: the whole loop's seconds (planning included, median of ``--repeat`` loops run
 round-robin across the methods, each on a fresh copy), its ratio to ``every block``, the largest
 measured activation peak of a step (``autockpt.measure``, in a second pass over the same
-batches: parameters, gradients and inputs left out) and its ratio to the budget, the plans and captures autockpt made, and whether
-every loss of the loop equals that of ``none``.
+batches: parameters, gradients and inputs left out) and its ratio to the budget, the plans
+and captures autockpt made, and whether every loss of the loop equals that of ``none``.
 
     python benchmarks/shapes.py                   # all three loops
     python benchmarks/shapes.py --loops gpt2 --repeat 1 --json out.json
