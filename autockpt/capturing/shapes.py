@@ -21,7 +21,7 @@ does not admit is captured again, as before.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,31 +144,37 @@ def resized(arguments: dict[str, Any], shapes: Shapes) -> dict[str, Any]:
     """
     found = iter(shapes)
 
-    def grow(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            shape = next(found)
-            if tuple(value.shape) == tuple(shape):
-                return value
-            with torch.no_grad():
-                bigger = value.new_zeros(shape)
-                bigger[tuple(slice(0, size) for size in value.shape)] = value
-            return bigger.requires_grad_(value.requires_grad)
-        if isinstance(value, (tuple, list)):
-            items = [grow(item) for item in value]
-            return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
-        if isinstance(value, Mapping):
-            grown = {key: grow(item) for key, item in value.items()}
-            try:
-                return type(value)(grown)
-            except TypeError:
-                return grown
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return dataclasses.replace(value, **{
-                f.name: grow(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if f.init})
-        return value
+    def grow(value: torch.Tensor) -> torch.Tensor:
+        shape = next(found)
+        if tuple(value.shape) == tuple(shape):
+            return value
+        with torch.no_grad():
+            bigger = value.new_zeros(shape)
+            bigger[tuple(slice(0, size) for size in value.shape)] = value
+        return bigger.requires_grad_(value.requires_grad)
 
-    return {name: grow(value) for name, value in arguments.items()}
+    return {name: _map_tensors(value, grow) for name, value in arguments.items()}
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` rebuilt with ``fn`` applied to each tensor inside it, in the order
+    :func:`_value_key` walks them."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        items = [_map_tensors(item, fn) for item in value]
+        return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
+    if isinstance(value, Mapping):
+        mapped = {key: _map_tensors(item, fn) for key, item in value.items()}
+        try:
+            return type(value)(mapped)
+        except TypeError:
+            return mapped
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{
+            f.name: _map_tensors(getattr(value, f.name), fn) for f in dataclasses.fields(value)
+            if f.init})
+    return value
 
 
 def resized_call(args: tuple[Any, ...], kwargs: dict[str, Any], arguments: dict[str, Any],
@@ -178,25 +184,11 @@ def resized_call(args: tuple[Any, ...], kwargs: dict[str, Any], arguments: dict[
     grown = resized(arguments, shapes)
     swap = {id(old): new for old, new in zip(_tensors(dict(arguments)), _tensors(grown))}
 
-    def put(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return swap.get(id(value), value)
-        if isinstance(value, (tuple, list)):
-            items = [put(item) for item in value]
-            return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
-        if isinstance(value, Mapping):
-            moved = {key: put(item) for key, item in value.items()}
-            try:
-                return type(value)(moved)
-            except TypeError:
-                return moved
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return dataclasses.replace(value, **{
-                f.name: put(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if f.init})
-        return value
+    def put(value: torch.Tensor) -> torch.Tensor:
+        return swap.get(id(value), value)
 
-    return tuple(put(a) for a in args), {k: put(v) for k, v in kwargs.items()}, grown
+    return (tuple(_map_tensors(a, put) for a in args),
+            {k: _map_tensors(v, put) for k, v in kwargs.items()}, grown)
 
 
 def tensor_names(arguments: dict[str, Any]) -> tuple[str, ...]:
