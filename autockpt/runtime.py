@@ -5,11 +5,14 @@ by :func:`checkpointed_class`, whose ``__dict__`` is a shallow copy of the origi
 result *is a* ``MyNet``, holds the very same submodules and Parameter objects, and has the same
 ``state_dict()`` keys; its methods other than ``forward`` are the user's.
 
-At the first training forward with a new input signature the stages run
-(:func:`autockpt.pipeline.build`); the state keeps what they return, per signature, and runs it.
+At a training forward the state finds the plan for the call: by its signature, else among the
+plans of its input structure one that serves its shape, else it captures the structure once
+(:func:`autockpt.pipeline.capture_shared`), plans the shape's bucket
+(:func:`autockpt.pipeline.plan_shared`) and compiles the plan unless a program with the same
+segments exists (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`).
 
-Each checkpointed segment runs through :func:`autockpt.running.runner.run_checkpointed`, the runner the
-modules rung shares (NOTE [ Recompute must not update buffers twice ] and NOTE [ RNG only where
+Each checkpointed segment runs through :func:`autockpt.running.runner.run_checkpointed`, the
+runner the modules rung shares (NOTE [ Recompute must not update buffers twice ] and NOTE [ RNG only where
 needed ] there).
 """
 
@@ -217,7 +220,13 @@ class RuntimeState:
                     known = variant.plan if variant is not None else None
                     variant = self._build(module, args, kwargs, arguments, key, known)
                 else:
-                    variant = self._for_shape(module, args, kwargs, arguments, key, stated)
+                    variant, standing_in = self._for_shape(module, args, kwargs, arguments, key,
+                                                           stated)
+                    if standing_in:
+                        # A larger plan standing in for this shape's bucket: the next call of
+                        # the shape counts towards the bucket's own plan again.
+                        self.last_plan = variant.plan
+                        return variant, arguments
                 self._remember(key, variant)
             self.last_plan = variant.plan
             return variant, arguments
@@ -266,9 +275,11 @@ class RuntimeState:
         return variant.plan
 
     def _for_shape(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   arguments: dict[str, Any], key: tuple[Any, ...], stated: bool) -> _Variant:
+                   arguments: dict[str, Any], key: tuple[Any, ...], stated: bool
+                   ) -> tuple[_Variant, bool]:
         """The plan of the call's structure that serves its shape, or a new one priced at its
-        bucket (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`)."""
+        bucket (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`), and whether
+        it only stands in for the bucket's own plan (a larger one)."""
         family = self.families.setdefault(structure_key(arguments), _Family())
         shapes = tensor_shapes(arguments)
         family.see(shapes)
@@ -277,14 +288,14 @@ class RuntimeState:
             index = choose([v.priced for v in usable], [v.stated for v in usable], shapes,
                            family.varying)
             if index is not None:
-                return usable[index]
+                return usable[index], False
             # NOTE [ Buckets of shapes ]: a larger plan serves a bucket met only once or so.
             cover = covering([v.priced for v in usable], shapes)
             if cover is not None:
                 bucket = target_shapes(shapes, family.varying)
                 family.hits[bucket] = family.hits.get(bucket, 0) + 1
                 if family.hits[bucket] < REPLAN_AFTER:
-                    return usable[cover]
+                    return usable[cover], True
         target = _stated_target(self.config.max_shapes, arguments, shapes)
         if target is not None:
             stated = True
@@ -293,13 +304,15 @@ class RuntimeState:
         else:
             target = target_shapes(shapes, family.varying)
         try:
-            return self._price(module, args, kwargs, arguments, key, family, target, stated)
+            return self._price(module, args, kwargs, arguments, key, family, target,
+                               stated), False
         except Exception:
             if target == shapes:
                 raise
             # A size the model fixes (a branch on it), or a budget only the call's own size
             # meets: its own shape, as a plan for one signature.
-            return self._price(module, args, kwargs, arguments, key, family, shapes, False)
+            return self._price(module, args, kwargs, arguments, key, family, shapes,
+                               False), False
 
     def _price(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                arguments: dict[str, Any], key: tuple[Any, ...], family: _Family,

@@ -16,7 +16,8 @@ Methods, each on a deep copy of the same seeded model and the same batches:
   ``gradient_checkpointing_enable()``; for the CNN, each residual block under
   ``torch.utils.checkpoint.checkpoint``);
 - ``autockpt``: ``autockpt.apply(model, budget_mb=B)`` without example inputs, where ``B`` is
-  the largest peak ``every block`` measured over the loop (the same memory).
+  the largest peak ``every block`` measured over the loop (the same memory);
+- ``autockpt max``: the same with ``max_shapes=`` the loop's largest sizes (one plan).
 
 Columns: the whole loop's seconds (planning included, median of ``--repeat`` loops run
 round-robin across the methods, each on a fresh copy), its ratio to ``every block``, the largest
@@ -54,6 +55,10 @@ import autockpt  # noqa: E402
 MIB = 2**20
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
+Loop = tuple[torch.nn.Module, list[Batch], Callable[..., Any] | None, str,
+             dict[str, tuple[int | None, ...]]]
+"""The model, its batches, the loss outside it (``None``: its own), how to checkpoint every
+block by hand (``"hf"``: Hugging Face's switch), and the largest shape (``max_shapes=``)."""
 
 
 def padded_batches(count: int, batch: int, vocab: int, lowest: int, highest: int, seed: int,
@@ -91,27 +96,28 @@ def image_batches(count: int, batch: int, seed: int) -> list[Batch]:
     return out
 
 
-def gpt2_loop() -> tuple[torch.nn.Module, list[Batch], Callable[..., Any] | None, str]:
+def gpt2_loop() -> Loop:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=6, n_embd=256, n_head=4, vocab_size=8192, n_positions=512,
                         bos_token_id=0, eos_token_id=0)
     return (GPT2LMHeadModel(config).train(), padded_batches(12, 4, 8192, 32, 256, 1), None,
-            "hf")
+            "hf", {"input_ids": (None, 256)})
 
 
-def bert_loop() -> tuple[torch.nn.Module, list[Batch], Callable[..., Any] | None, str]:
+def bert_loop() -> Loop:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
     config = BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
                         intermediate_size=1024, vocab_size=8192, max_position_embeddings=512)
     return (BertForMaskedLM(config).train(),
-            padded_batches(12, 8, 8192, 32, 256, 2, masked_lm=True), None, "hf")
+            padded_batches(12, 8, 8192, 32, 256, 2, masked_lm=True), None, "hf",
+            {"input_ids": (None, 256)})
 
 
-def cnn_loop() -> tuple[torch.nn.Module, list[Batch], Callable[..., Any] | None, str]:
+def cnn_loop() -> Loop:
     import torchvision
 
     torch.manual_seed(0)
@@ -121,7 +127,7 @@ def cnn_loop() -> tuple[torch.nn.Module, list[Batch], Callable[..., Any] | None,
     def loss_fn(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, targets[: logits.shape[0]])
 
-    return model, image_batches(8, 8, 3), loss_fn, "blocks"
+    return model, image_batches(8, 8, 3), loss_fn, "blocks", {"x": (None, 3, 320, 320)}
 
 
 LOOPS = {"gpt2": gpt2_loop, "bert": bert_loop, "cnn": cnn_loop}
@@ -182,7 +188,7 @@ def peaks(model: torch.nn.Module, batches: list[Batch], loss_fn: Callable[..., A
 
 
 def bench(name: str, repeat: int) -> list[dict[str, Any]]:
-    base, batches, loss_fn, how = LOOPS[name]()
+    base, batches, loss_fn, how, largest = LOOPS[name]()
     hand = every_block(base, how)
     hand_peaks = peaks(hand, batches, loss_fn)
     budget_mb = max(hand_peaks) / MIB
@@ -191,6 +197,8 @@ def bench(name: str, repeat: int) -> list[dict[str, Any]]:
         "every block": lambda: every_block(base, how),
         "autockpt": lambda: autockpt.apply(copy.deepcopy(base), budget_mb=budget_mb,
                                            loss_fn=loss_fn),
+        "autockpt max": lambda: autockpt.apply(copy.deepcopy(base), budget_mb=budget_mb,
+                                               loss_fn=loss_fn, max_shapes=largest),
     }
     times: dict[str, list[float]] = {m: [] for m in makers}
     losses: dict[str, list[float]] = {}
@@ -206,9 +214,11 @@ def bench(name: str, repeat: int) -> list[dict[str, Any]]:
                 last[method] = model
         step_peaks = {m: (hand_peaks if m == "every block" else peaks(last[m], batches, loss_fn))
                       for m in makers}
-    state = last["autockpt"]._autockpt
-    plans = sum(len(f.plans) for f in state.families.values())
-    graphs = sum(len(f.graphs) for f in state.families.values())
+    counts = {}
+    for method in ("autockpt", "autockpt max"):
+        state = last[method]._autockpt
+        counts[method] = (sum(len(f.plans) for f in state.families.values()),
+                          sum(len(f.graphs) for f in state.families.values()))
     hand_time = statistics.median(times["every block"])
     rows = []
     for method in makers:
@@ -220,8 +230,9 @@ def bench(name: str, repeat: int) -> list[dict[str, Any]]:
             "loop_s": round(seconds, 3), "vs_every_block": round(seconds / hand_time, 3),
             "max_peak_mib": round(worst / MIB, 2),
             "peak_vs_budget": round(worst / (budget_mb * MIB), 3),
-            "plans": plans if method == "autockpt" else None,
-            "captures": graphs if method == "autockpt" else None,
+            "plans": counts[method][0] if method in counts else None,
+            "captures": counts[method][1] if method in counts else None,
+            "step_peaks_mib": [round(b / MIB, 2) for b in step_peaks[method]],
             "losses_equal": all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
                                 for a, b in zip(losses[method], losses["none"])),
         })

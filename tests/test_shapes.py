@@ -331,3 +331,14 @@ def test_a_module_that_met_many_shapes_pickles_and_trains_on() -> None:
         x = torch.randn(2, 3, side, side)
         assert_same_step(train_step(restored, image_loss, (x,), seed=step),
                          train_step(twin, image_loss, (x,), seed=step))
+
+
+def test_a_shape_that_keeps_coming_gets_its_own_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same shape again counts towards its bucket's plan: a run that meets one larger
+    batch and then only smaller ones does not recompute for the larger one forever."""
+    planned = _planned(monkeypatch)
+    model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
+    model(torch.randn(2, 3, 64, 64)).sum().backward()
+    for _ in range(REPLAN_AFTER + 2):
+        model(torch.randn(2, 3, 30, 30)).sum().backward()
+    assert len(planned) == 2 and "[2, 3, 32, 32]" in autockpt.plan_of(model).input_signature
