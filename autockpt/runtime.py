@@ -12,8 +12,8 @@ plans of its input structure one that serves its shape, else it captures the str
 segments exists (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`).
 
 Each checkpointed segment runs through :func:`autockpt.running.runner.run_checkpointed`, the
-runner the modules rung shares (NOTE [ Recompute must not update buffers twice ] and NOTE [ RNG only where
-needed ] there).
+runner the modules rung shares (NOTE [ Recompute must not update buffers twice ] and NOTE
+[ RNG only where needed ] there).
 """
 
 from __future__ import annotations
