@@ -20,10 +20,11 @@ Methods, each on a deep copy of the same seeded model and the same batches:
 - ``autockpt max``: the same with ``max_shapes=`` the loop's largest sizes (one plan).
 
 Columns: the whole loop's seconds (planning included, median of ``--repeat`` loops run
-round-robin across the methods, each on a fresh copy), its ratio to ``every block``, the largest
-measured activation peak of a step (``autockpt.measure``, in a second pass over the same
-batches: parameters, gradients and inputs left out) and its ratio to the budget, the plans
-and captures autockpt made, and whether every loss of the loop equals that of ``none``.
+round-robin across the methods, each on a fresh copy), its ratio to ``every block``, the seconds
+of it autockpt spent capturing, planning and compiling, the largest measured activation peak
+of a step (``autockpt.measure``, in a second pass over the same batches: parameters,
+gradients and inputs left out) and its ratio to the budget, the plans and captures autockpt
+made, and whether every loss of the loop equals that of ``none``.
 
     python benchmarks/shapes.py                   # all three loops
     python benchmarks/shapes.py --loops gpt2 --repeat 1 --json out.json
@@ -171,6 +172,38 @@ def step(model: torch.nn.Module, batch: Batch, loss_fn: Callable[..., Any] | Non
     return value
 
 
+class PlanningClock:
+    """Seconds spent in autockpt's stages (capture, plan, compile) while it is entered."""
+
+    STAGES = ("capture_shared", "plan_shared", "compile_plan")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._real: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> PlanningClock:
+        from autockpt import pipeline
+
+        for name in self.STAGES:
+            real = self._real[name] = getattr(pipeline, name)
+
+            def timed(*args: Any, _real: Callable[..., Any] = real, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - start
+
+            setattr(pipeline, name, timed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from autockpt import pipeline
+
+        for name, real in self._real.items():
+            setattr(pipeline, name, real)
+
+
 def run_loop(make: Callable[[], torch.nn.Module], batches: list[Batch],
              loss_fn: Callable[..., Any] | None) -> tuple[float, list[float], torch.nn.Module]:
     model = make()
@@ -201,6 +234,7 @@ def bench(name: str, repeat: int) -> list[dict[str, Any]]:
                                                loss_fn=loss_fn, max_shapes=largest),
     }
     times: dict[str, list[float]] = {m: [] for m in makers}
+    planning: dict[str, list[float]] = {m: [] for m in makers}
     losses: dict[str, list[float]] = {}
     last: dict[str, torch.nn.Module] = {}
     with warnings.catch_warnings():
@@ -208,8 +242,10 @@ def bench(name: str, repeat: int) -> list[dict[str, Any]]:
         for _ in range(repeat):
             for method, make in makers.items():
                 torch.manual_seed(0)
-                seconds, lost, model = run_loop(make, batches, loss_fn)
+                with PlanningClock() as clock:
+                    seconds, lost, model = run_loop(make, batches, loss_fn)
                 times[method].append(seconds)
+                planning[method].append(clock.seconds)
                 losses[method] = lost
                 last[method] = model
         step_peaks = {m: (hand_peaks if m == "every block" else peaks(last[m], batches, loss_fn))
@@ -228,6 +264,7 @@ def bench(name: str, repeat: int) -> list[dict[str, Any]]:
             "loop": name, "method": method, "batches": len(batches),
             "shapes": len({tuple(t.shape for t in (*b[0], *b[1].values())) for b in batches}),
             "loop_s": round(seconds, 3), "vs_every_block": round(seconds / hand_time, 3),
+            "planning_s": round(statistics.median(planning[method]), 3),
             "max_peak_mib": round(worst / MIB, 2),
             "peak_vs_budget": round(worst / (budget_mb * MIB), 3),
             "plans": counts[method][0] if method in counts else None,
@@ -248,12 +285,13 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rows = [row for loop in args.loops for row in bench(loop, args.repeat)]
     header = (f"{'loop':5} {'method':12} {'batches':>7} {'shapes':>6} {'loop s':>7} "
-              f"{'x every block':>13} {'max peak MiB':>12} {'x budget':>8} {'plans':>5} "
-              f"{'captures':>8} {'losses':>6}")
+              f"{'x every block':>13} {'planning s':>10} {'max peak MiB':>12} {'x budget':>8} "
+              f"{'plans':>5} {'captures':>8} {'losses':>6}")
     print(header)
     for r in rows:
         print(f"{r['loop']:5} {r['method']:12} {r['batches']:>7} {r['shapes']:>6} "
-              f"{r['loop_s']:>7.2f} {r['vs_every_block']:>13.2f} {r['max_peak_mib']:>12.1f} "
+              f"{r['loop_s']:>7.2f} {r['vs_every_block']:>13.2f} {r['planning_s']:>10.2f} "
+              f"{r['max_peak_mib']:>12.1f} "
               f"{r['peak_vs_budget']:>8.3f} {r['plans'] if r['plans'] is not None else '':>5} "
               f"{r['captures'] if r['captures'] is not None else '':>8} "
               f"{'equal' if r['losses_equal'] else 'DIFFER':>6}")
