@@ -284,7 +284,9 @@ class RuntimeState:
         shapes = tensor_shapes(arguments)
         family.see(shapes)
         if not stated:
-            usable = [v for v in family.plans if _runs_at(v.graph, arguments)]
+            # Each graph checked once: plans share their structure's few graphs.
+            runs = {id(g): _runs_at(g, arguments) for g in family.graphs}
+            usable = [v for v in family.plans if v.graph is not None and runs[id(v.graph)]]
             index = choose([v.priced for v in usable], [v.stated for v in usable], shapes,
                            family.varying)
             if index is not None:
@@ -304,23 +306,22 @@ class RuntimeState:
         else:
             target = target_shapes(shapes, family.varying)
         try:
-            return self._price(module, args, kwargs, arguments, key, family, target,
+            return self._price(module, args, kwargs, arguments, key, family, shapes, target,
                                stated), False
         except Exception:
             if target == shapes:
                 raise
             # A size the model fixes (a branch on it), or a budget only the call's own size
             # meets: its own shape, as a plan for one signature.
-            return self._price(module, args, kwargs, arguments, key, family, shapes,
+            return self._price(module, args, kwargs, arguments, key, family, shapes, shapes,
                                False), False
 
     def _price(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                arguments: dict[str, Any], key: tuple[Any, ...], family: _Family,
-               target: Shapes, stated: bool) -> _Variant:
-        """Plan the call's structure at ``target`` (at least the call's shapes) on a shared
+               shapes: Shapes, target: Shapes, stated: bool) -> _Variant:
+        """Plan the call's structure at ``target`` (at least the call's ``shapes``) on a shared
         graph that takes both, compile it unless a program for the same segments exists, and
         remember the plan in ``family``."""
-        shapes = tensor_shapes(arguments)
         priced_args, priced_kwargs, priced = (args, kwargs, arguments) if target == shapes \
             else resized_call(args, kwargs, arguments, target)
         graph = next((g for g in family.graphs
@@ -329,7 +330,7 @@ class RuntimeState:
             graph = pipeline.capture_shared(module, args, kwargs, self.config)
             family.graphs.append(graph)
             if not _runs_at(graph, priced):
-                raise AutockptError(f"the graph fixes a size of {describe_shapes(arguments)}",
+                raise AutockptError(f"the graph fixes a size of {_describe_shapes(arguments)}",
                                     fix="none needed: planned at the call's own shape")
         built = pipeline.plan_shared(module, graph, priced_args, priced_kwargs, priced,
                                      self.config)
@@ -401,7 +402,7 @@ def _runs_at(graph: TracedModel | NoGraph | None, arguments: dict[str, Any]) -> 
     return isinstance(graph, NoGraph) or graph.accepts(arguments)
 
 
-def describe_shapes(arguments: dict[str, Any], shapes: Shapes | None = None) -> str:
+def _describe_shapes(arguments: dict[str, Any], shapes: Shapes | None = None) -> str:
     """``input_ids [4, 256], labels [4, 256]``: each tensor of a call and its shape."""
     shapes = tensor_shapes(arguments) if shapes is None else shapes
     return ", ".join(f"{name} {list(shape)}"
@@ -411,7 +412,7 @@ def describe_shapes(arguments: dict[str, Any], shapes: Shapes | None = None) -> 
 def _serves(arguments: dict[str, Any], target: Shapes, varying: tuple[tuple[int, int], ...],
             stated: bool) -> str:
     """What :attr:`Plan.serves` says of a plan priced at ``target``."""
-    shown = describe_shapes(arguments, target)
+    shown = _describe_shapes(arguments, target)
     if stated:
         return f"every call no larger than {shown} (the largest stated)"
     names = tensor_names(arguments)

@@ -21,7 +21,7 @@ does not admit is captured again, as before.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,17 +104,25 @@ def _value_key(value: Any, devices: list[str], shapes: bool) -> Any:
     return type(value).__name__
 
 
+def _named_tensors(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor inside ``value`` (at ``path``) and its path, in the order
+    :func:`_value_key` walks them."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _named_tensors(item, f"{path}[{i}]")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _named_tensors(item, f"{path}[{key!r}]")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _named_tensors(getattr(value, f.name), f"{path}.{f.name}")
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors inside ``value``, in the order :func:`_value_key` walks them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, Mapping):
-        return [t for item in value.values() for t in _tensors(item)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for f in dataclasses.fields(value) for t in _tensors(getattr(value, f.name))]
-    return []
+    return [tensor for _, tensor in _named_tensors(value, "")]
 
 
 def tensor_shapes(arguments: dict[str, Any]) -> Shapes:
@@ -199,24 +207,8 @@ def tensor_names(arguments: dict[str, Any]) -> tuple[str, ...]:
         >>> tensor_names({"x": torch.ones(1), "batch": {"mask": torch.ones(1)}})
         ('x', "batch['mask']")
     """
-    names: list[str] = []
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, torch.Tensor):
-            names.append(path)
-        elif isinstance(value, (tuple, list)):
-            for i, item in enumerate(value):
-                walk(item, f"{path}[{i}]")
-        elif isinstance(value, Mapping):
-            for key, item in value.items():
-                walk(item, f"{path}[{key!r}]")
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            for f in dataclasses.fields(value):
-                walk(getattr(value, f.name), f"{path}.{f.name}")
-
-    for name, value in arguments.items():
-        walk(value, name)
-    return tuple(names)
+    return tuple(path for name, value in arguments.items()
+                 for path, _ in _named_tensors(value, name))
 
 
 @dataclass(frozen=True)
