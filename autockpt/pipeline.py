@@ -32,10 +32,12 @@ from autockpt.capturing.meta import meta_autocast
 from autockpt.capturing.trace import (TracedModel, base_class, bind_inputs, forward_signature,
                                       shallow_view)
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
+from autockpt.ops.instrument import tensors
 from autockpt.planning.blocks import blocks_of_plan, plan_modules
 from autockpt.planning.budget import DeviceBudget, device_budget
 from autockpt.planning.gc import paused
 from autockpt.planning.head import chunked_head, find_row_stretch
+from autockpt.planning.overhead import Overhead, overhead_for
 from autockpt.planning.planner import Plan, make_plan
 from autockpt.profiling.blocks import ModuleProfile, profile_modules
 from autockpt.profiling.loss import LossFn
@@ -153,10 +155,15 @@ def plan_blocks(
     with suspended(view), _whole_device(device):
         prof = profile_modules(view, args, kwargs)
 
+        # A node of this rung is a whole block, not an op: only the segment's own cost.
+        overhead = replace(plan_overhead(module, (args, kwargs), replace(config, cost="flops")),
+                           op_cost=0)
+
         def planned_for(budget: int | None) -> Plan:
             return plan_modules(prof, budget, strategy=config.strategy,
                                         mode=config.mode,
-                                        grad_accumulation=config.grad_accumulation)
+                                        grad_accumulation=config.grad_accumulation,
+                                        overhead=overhead)
 
         # Unlike a graph rung's, this rung's plans are replayed in both modes: its estimate
         # prices whole blocks from one forward, and a non-reentrant plan of Hugging Face
@@ -189,6 +196,17 @@ def plan_blocks(
     return BlockPlan(replace(plan, model=base_class(module).__name__, capture="modules",
                              capture_reason=reason, notes=notes, device=device,
                              kept_whole=config.keep_whole), prof)
+
+
+def plan_overhead(module: nn.Module, inputs: Any, config: ApplyConfig) -> Overhead:
+    """The fixed costs of a segment and of a recomputed op on the device the model's
+    parameters (else its inputs) live on (NOTE [ What a segment costs beyond its FLOPs ] in
+    :mod:`autockpt.planning.overhead`)."""
+    found = next(iter(module.parameters()), None)
+    if found is None:
+        found = next(iter(tensors(inputs)), None)
+    device_type = "cpu" if found is None else found.device.type
+    return overhead_for(device_type, timed=config.cost == "profile")
 
 
 def resolve_budget(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -448,7 +466,8 @@ def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], sta
     def planned_for(budget: int | None) -> Plan:
         return make_plan(stats, budget, strategy=config.strategy, mode=config.mode,
                          model=base_class(module).__name__,
-                         grad_accumulation=config.grad_accumulation)
+                         grad_accumulation=config.grad_accumulation,
+                         overhead=plan_overhead(module, inputs, config))
 
     if config.mode != "reentrant":
         return planned_for(budget_bytes)

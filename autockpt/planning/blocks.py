@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from autockpt.errors import AutockptError, InvalidArgumentError
+from autockpt.planning.overhead import NO_OVERHEAD, Overhead
 from autockpt.planning.planner import MODES, Plan, make_plan
 from autockpt.profiling.blocks import ModuleProfile, profile_modules
 from autockpt.profiling.stats import assume_loss
@@ -22,7 +23,8 @@ from autockpt.profiling.stats import assume_loss
 __all__ = ["blocks_of_plan", "build", "plan_modules"]
 
 def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str = "optimal",
-                 mode: str = "non_reentrant", grad_accumulation: bool = False) -> Plan:
+                 mode: str = "non_reentrant", grad_accumulation: bool = False,
+                 overhead: Overhead = NO_OVERHEAD) -> Plan:
     """Plan which blocks of ``prof`` to checkpoint under ``budget_bytes``, with the planner
     of traced graphs (:func:`autockpt.planning.planner.make_plan`) run on the chain's profile.
 
@@ -59,7 +61,7 @@ def plan_modules(prof: ModuleProfile, budget_bytes: int | None, *, strategy: str
     # Without a graph the loss cannot run with the model: price what any loss sends back.
     stats = assume_loss(stats)
     plan = make_plan(stats, budget_bytes, strategy=strategy, mode=mode, model=prof.model,
-                     nesting=False, grad_accumulation=grad_accumulation)
+                     nesting=False, grad_accumulation=grad_accumulation, overhead=overhead)
     nodes = prof.profile.nodes
     position = {node: k for k, node in enumerate(prof.block_nodes)}
     segments = []

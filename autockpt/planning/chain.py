@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from autockpt.planning.overhead import NO_OVERHEAD, Overhead
 from autockpt.profiling.stats import LOSS_OP, NodeStat, Profile, StorageStat, node_cost
 
 __all__ = ["ForwardPeaks", "Stage", "Cut", "Passing", "LongLived", "SharedGradient", "Chain",
@@ -94,7 +95,9 @@ class Stage:
     end: int
     """Position one past its last node."""
     cost: int
-    """Cost of recomputing it: the sum of its nodes' :func:`~autockpt.profiling.stats.node_cost`."""
+    """Cost of recomputing it: the sum of its nodes' :func:`~autockpt.profiling.stats.node_cost`
+    and, per node that runs an op, the chain's op cost (NOTE [ What a segment costs beyond
+    its FLOPs ] in :mod:`autockpt.planning.overhead`)."""
     flops: int
     """FLOPs of its nodes."""
     carries_grad: bool
@@ -120,6 +123,9 @@ class Stage:
     alive and the working set of the op running (NOTE [ Gradients in backward ])."""
     forward: ForwardPeaks
     """Its forward peaks, plain and checkpointed."""
+    ops: int = 0
+    """How many of its nodes run an op (each costs the chain's :attr:`Chain.op_cost` in
+    :attr:`cost`)."""
     tail_cost: int = 0
     """Cost of the trailing nodes that a non-reentrant recompute ending with this stage
     skips (see NOTE [ A non-reentrant recompute stops early ]): its own, and those of the
@@ -293,6 +299,11 @@ class Chain:
     shared_gradients: tuple[SharedGradient, ...] = ()
     """The nodes that hand their output's gradient to passing or long-lived storages, in
     graph order."""
+    segment_cost: int = 0
+    """What each checkpointed segment costs beyond its stages' ops, in their cost's unit
+    (NOTE [ What a segment costs beyond its FLOPs ] in :mod:`autockpt.planning.overhead`)."""
+    op_cost: int = 0
+    """What each recomputed op costs beyond its arithmetic (in :attr:`Stage.cost`)."""
 
 
 # --------------------------------------------------------------------------- building
@@ -438,7 +449,7 @@ def _own_saved_bytes(profile: Profile) -> list[int]:
 
 
 def _tails(profile: Profile, end: int, saves_own: Sequence[bool],
-           saves_any: Sequence[bool]) -> tuple[int, int, int]:
+           saves_any: Sequence[bool], op_cost: int = 0) -> tuple[int, int, int]:
     """Cost and FLOPs of the nodes before ``end`` that a recompute ending there skips, and
     the position of the first of them (``end`` when none is skipped). They may reach back
     over several stages: a stage that saves nothing is skipped whole."""
@@ -448,7 +459,7 @@ def _tails(profile: Profile, end: int, saves_own: Sequence[bool],
         node = profile.nodes[index]
         if saves_own[index]:
             break
-        cost += node_cost(node)
+        cost += _recompute_cost(node, op_cost)
         flops += node.flops
         stop = index
         if saves_any[index]:
@@ -561,11 +572,13 @@ def _loss_cut(profile: Profile) -> tuple[int, ...]:
 
 
 def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
-                grad_accumulation: bool = False) -> Chain:
+                grad_accumulation: bool = False, overhead: Overhead = NO_OVERHEAD) -> Chain:
     """Split the graph at the candidate cuts and compute the numbers of the memory model.
 
     ``grad_accumulation``: the parameters' ``.grad`` exists when backward runs, so every
     weight gradient is a temporary added into it (``NodeStat.accumulate_backward_bytes``).
+    ``overhead``: the fixed costs of a segment and of a recomputed op (NOTE [ What a segment
+    costs beyond its FLOPs ] in :mod:`autockpt.planning.overhead`).
     """
     nodes = profile.nodes
     n = len(nodes)
@@ -702,7 +715,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
         recomputed_peak = (_backward_walk(internal_spans[s] + clones, grads_at, lo, hi, {})[0]
                            if clones else backward_peak)
         # A segment is spared at most all of its own nodes (the memory model caps it).
-        tail_cost, tail_flops, stop = _tails(profile, hi, saves_own, saves_any)
+        tail_cost, tail_flops, stop = _tails(profile, hi, saves_own, saves_any,
+                                             overhead.op_cost)
         stop = max(stop, lo)
         forward = ForwardPeaks(
             plain_bytes=_sweep(nodes, lo, hi, held_plain[s]),
@@ -713,7 +727,8 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                                           stop, own_saved[stop] if stop < hi else 0),
         )
         stages.append(Stage(
-            start=lo, end=hi, cost=sum(node_cost(m) for m in members),
+            start=lo, end=hi, cost=sum(_recompute_cost(m, overhead.op_cost) for m in members),
+            ops=sum(m.op in RUNS_AN_OP for m in members),
             flops=sum(m.flops for m in members),
             # The loss is the user's code, never a segment: its stage carries no gradient.
             carries_grad=any(m.requires_grad for m in members)
@@ -739,7 +754,19 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
                                   for x, reads in zip(lasting, lasting_reads)),
                  shared_gradients=tuple(
                      replace(g, running_bytes=at_node[u])
-                     for u, g in _shared_gradients(nodes, stage_of, skip_bytes, count)))
+                     for u, g in _shared_gradients(nodes, stage_of, skip_bytes, count)),
+                 segment_cost=overhead.segment_cost, op_cost=overhead.op_cost)
+
+
+RUNS_AN_OP = ("call_function", "call_method", "call_module")
+"""The opcodes of nodes a recompute runs again (placeholders, parameters and the output are
+not run)."""
+
+
+def _recompute_cost(node: NodeStat, op_cost: int) -> int:
+    """What running ``node`` again costs: its arithmetic, plus ``op_cost`` where it runs an
+    op (NOTE [ What a segment costs beyond its FLOPs ] in :mod:`autockpt.planning.overhead`)."""
+    return node_cost(node) + (op_cost if node.op in RUNS_AN_OP else 0)
 
 
 def _shared_gradients(nodes: Sequence[NodeStat], stage_of: Sequence[int],

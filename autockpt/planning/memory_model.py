@@ -522,7 +522,8 @@ class MemoryModel:
             forward = max(forward, self.segment_forward(a, b, 0, inputs))
             total += stages[b].cost
             value, after, lower = self.segment(a, b, 0, inputs)
-            yield (b, total - (0 if self.reentrant else min(total, stages[b].tail_cost)),
+            yield (b, self.chain.segment_cost + total
+                   - (0 if self.reentrant else min(total, stages[b].tail_cost)),
                    max(value, forward), after, max(lower, forward))
 
     def peak(self, tree: Tree) -> int:
@@ -1207,7 +1208,8 @@ def segment_cost(chain: Chain, a: int, b: int, mode: str = "non_reentrant") -> i
     """Cost of recomputing stages ``a..b`` as one segment (see NOTE [ A non-reentrant
     recompute stops early ] in :mod:`autockpt.planning.chain`)."""
     total = sum(chain.stages[t].cost for t in range(a, b + 1))
-    return total - (min(total, chain.stages[b].tail_cost) if mode == "non_reentrant" else 0)
+    return chain.segment_cost + total - (
+        min(total, chain.stages[b].tail_cost) if mode == "non_reentrant" else 0)
 
 
 def recompute_cost(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:

@@ -74,10 +74,13 @@ def _splits(s: int, t: int, grad: list[bool], fs: list[int], xs: list[int], widt
     return count
 
 
-def nested_plans(chain: Chain, span: int) -> list[tuple[int, int, Tree]]:
+def nested_plans(chain: Chain, span: int, *, overhead: bool = True
+                 ) -> list[tuple[int, int, Tree]]:
     """Nested plans found by the rotor programme for memory up to ``span`` bytes (see NOTE
     [ The rotor programme ]), each as ``(estimated peak, recompute cost, tree)``, from the
-    most memory to the least, without repeats.
+    most memory to the least, without repeats. ``overhead=False``: the programme chooses by
+    the stages' arithmetic alone, without the chain's cost per segment and per op (the
+    trees are still priced with them).
     """
     import numpy as np  # a dependency of autockpt (pyproject.toml); imported when needed
 
@@ -92,7 +95,9 @@ def nested_plans(chain: Chain, span: int) -> list[tuple[int, int, Tree]]:
     ks = [slots(v) for v in kept]
     fs = [slots(v) for v in forward_ck]
     ns = [slots(v) for v in need]
-    cost = [chain.stages[t].cost for t in range(count)]
+    cost = [chain.stages[t].cost - (0 if overhead else chain.stages[t].ops * chain.op_cost)
+            for t in range(count)]
+    per_segment = chain.segment_cost if overhead else 0
     grad = [chain.stages[t].carries_grad for t in range(count)]
     width = _SLOTS + 1
     inf = math.inf
@@ -125,7 +130,8 @@ def nested_plans(chain: Chain, span: int) -> list[tuple[int, int, Tree]]:
                 kept_part = table[rows[:, None], t, np.maximum(source, 0)]
                 options[1:1 + splits] = np.where(
                     columns[None, :] >= lows[:, None],
-                    (run_cost[:, None] + kept_part) + table[s, rows - 1, :], inf)
+                    (run_cost[:, None] + per_segment + kept_part)
+                    + table[s, rows - 1, :], inf)
             pick = np.argmin(options, axis=0)
             best = options[pick, columns]
             table[s, t] = best

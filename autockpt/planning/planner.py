@@ -44,6 +44,7 @@ from autockpt.planning.memory_model import (
 )
 from autockpt.planning.nested import nested_plans
 from autockpt.planning.optimal import least_peak, optimal_ranges
+from autockpt.planning.overhead import NO_OVERHEAD, Overhead
 from autockpt.planning.search import search_plan
 from autockpt.profiling.stats import LOSS_OP, ChunkedHead, LossStat, NodeStat, Profile
 from autockpt.report import format_plan
@@ -450,7 +451,8 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
             return as_tree(ranges), min_peak
     if not nesting or mode != "non_reentrant":
         return (as_tree(least_ranges) if budget is None else None), min_peak
-    found_nested = [item for item in nested_plans(chain, min_peak) if tree_depth(item[2]) > 1]
+    found_nested = [item for item in _nested_candidates(chain, min_peak)
+                    if tree_depth(item[2]) > 1]
     reach = min([min_peak, *(peak for peak, _, _ in found_nested)])
     if budget is None:
         if reach == min_peak:
@@ -460,6 +462,22 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
     if not fits:
         return None, reach
     return min(fits, key=lambda item: (item[1], item[0]))[2], reach
+
+
+def _nested_candidates(chain: Chain, span: int) -> list[tuple[int, int, Tree]]:
+    """The rotor programme's nested plans (:func:`~autockpt.planning.nested.nested_plans`),
+    chosen with the chain's fixed costs and, where it has some, without them too."""
+    found = nested_plans(chain, span)
+    if not (chain.segment_cost or chain.op_cost):
+        return found
+    # The programme counts memory in slots, so a price per segment moves which tree it keeps
+    # at each slot count, and one the exact model prices higher may take the place of a
+    # lower one: the trees chosen by arithmetic alone stay candidates, so that the least
+    # memory reachable never depends on the fixed costs (NOTE [ What a segment costs beyond
+    # its FLOPs ] in autockpt.planning.overhead).
+    seen = {tree for _, _, tree in found}
+    return found + [item for item in nested_plans(chain, span, overhead=False)
+                    if item[2] not in seen]
 
 
 STRATEGIES: dict[str, Strategy] = {"optimal": _optimal, "greedy": _greedy, "sqrt": _sqrt}
@@ -478,12 +496,15 @@ def make_plan(
     model: str = "",
     nesting: bool = True,
     grad_accumulation: bool = False,
+    overhead: Overhead = NO_OVERHEAD,
 ) -> Plan:
     """Plan checkpoint segments for ``profile`` under ``budget_bytes``.
 
     ``nesting=False`` keeps to one level of segments (the module-level rung, which installs
     checkpoints on whole submodules, cannot nest them). ``grad_accumulation=True`` prices
-    steps in which the parameters' ``.grad`` already exists.
+    steps in which the parameters' ``.grad`` already exists. ``overhead`` adds a fixed cost
+    per segment and per recomputed op to the recompute the plan minimises
+    (:func:`autockpt.planning.overhead.overhead_for`).
 
     Example:
         >>> from autockpt.profiling.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
@@ -505,7 +526,7 @@ def make_plan(
         raise InvalidArgumentError(f"unknown mode {mode!r}", fix=f"use one of: {', '.join(MODES)}")
     if len(profile.nodes) < 2:
         raise InvalidArgumentError("the profile has no nodes to plan")
-    chain = build_chain(profile, grad_accumulation=grad_accumulation)
+    chain = build_chain(profile, grad_accumulation=grad_accumulation, overhead=overhead)
     baseline = estimate_peak(chain, (), mode)
     tree, min_peak = STRATEGIES[strategy](chain, budget_bytes, mode, nesting)
     if budget_bytes is not None and baseline <= budget_bytes and strategy != "sqrt":
