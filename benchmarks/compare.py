@@ -1,5 +1,12 @@
 """autockpt against every alternative, side by side, in one run.
 
+The alternatives on a :class:`models.Blocks` model: no checkpointing, every block (Hugging
+Face's and timm's switch), every second block, ``checkpoint_sequential`` with sqrt(n)
+segments, PyTorch's ``apply_activation_checkpointing`` on every block, the same with
+torchtitan's "selective op" policy (the matmuls' and attention's outputs saved, every other
+op in the block recomputed; :data:`OP_POLICY_SAVED`), and with ``--compile`` torch.compile
+with two activation memory budgets.
+
 For each model and method: peak activation memory (measured with ``autockpt.measure``), the
 step time as a ratio to no checkpointing (median of ``--repeat`` steps after a warm-up,
 timed round-robin across the methods so that the machine's load falls on all alike), the
@@ -27,6 +34,8 @@ column and the JSON's ``loss`` field say which loss each row used.
     python benchmarks/compare.py --models unet2d       # diffusers' UNet2DModel against its
                                                        # enable_gradient_checkpointing()
     python benchmarks/compare.py --models mlp72 --repeat 3 --json out.json --plot-dir out/
+                                                       # --plot-dir: memory against backward
+                                                       # FLOPs and time (needs matplotlib)
     python benchmarks/compare.py --compile             # adds torch.compile with a memory budget
     python benchmarks/compare.py --device cuda --models gpt,resnet50 --json cuda.json
 
@@ -39,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import platform
 import statistics
@@ -175,13 +185,67 @@ def _backward_flops(model: nn.Module, x: torch.Tensor, loss_fn: LossFn) -> int:
     return counter.get_total_flops()
 
 
-def _alternatives(base: Blocks, compile_budgets: bool) -> list[tuple[str, nn.Module, str]]:
+OP_POLICY_METHOD = "op policy on every block (torchtitan selective op)"
+
+OP_POLICY_SAVED = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_cudnn_attention",
+                   "_scaled_dot_product_flash_attention_for_cpu")
+"""The aten ops whose outputs the op policy saves; every other op in a block is recomputed.
+
+torchtitan's "selective op" activation checkpointing saves the matmuls and the attention
+kernels. Its models' linears have no bias (``aten.mm``); here they have one, so ``addmm``,
+and the batched ``bmm``/``baddbmm`` are saved too. The CPU's fused attention kernel
+(``..._for_cpu``) stands for the CUDA ones, so that on the CPU attention is saved as it is on
+CUDA. torchtitan also recomputes every second ``mm`` to save more; this policy saves them all.
+"""
+
+
+def _op_policy_packets() -> frozenset[Any]:
+    """The op packets of :data:`OP_POLICY_SAVED` that this torch has."""
+    return frozenset(getattr(torch.ops.aten, name) for name in OP_POLICY_SAVED
+                     if hasattr(torch.ops.aten, name))
+
+
+def op_policy_context_fn() -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` that
+    saves the outputs of the ops in :data:`OP_POLICY_SAVED` (``MUST_SAVE``) and recomputes
+    everything else in the checkpointed region (``PREFER_RECOMPUTE``)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = _op_policy_packets()
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if getattr(func, "overloadpacket", None) in saved:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    # Each checkpointed call needs contexts of its own: they hold that call's saved outputs.
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def _wrap_every_block(base: Blocks, **checkpoint_kwargs: Any) -> Blocks:
+    """A copy of ``base`` with every block wrapped by PyTorch's ``checkpoint_wrapper``
+    (non-reentrant) through ``apply_activation_checkpointing``; ``checkpoint_kwargs`` go to
+    ``torch.utils.checkpoint.checkpoint`` (``context_fn=`` for a selective policy)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,
         checkpoint_wrapper,
     )
 
+    wrapped = copy.deepcopy(base)
+    blocks = set(wrapped.blocks)
+    apply_activation_checkpointing(
+        wrapped,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(
+            m, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **checkpoint_kwargs),
+        check_fn=lambda m: m in blocks,
+    )
+    return wrapped
+
+
+def _alternatives(base: Blocks, compile_budgets: bool) -> list[tuple[str, nn.Module, str]]:
     out: list[tuple[str, nn.Module, str]] = [("no checkpointing", base, "")]
     every = copy.deepcopy(base)
     every.every = 1
@@ -192,15 +256,11 @@ def _alternatives(base: Blocks, compile_budgets: bool) -> list[tuple[str, nn.Mod
     seq = copy.deepcopy(base)
     seq.segments = sqrt_segments(seq)
     out.append((f"checkpoint_sequential({seq.segments})", seq, ""))
-    wrapped = copy.deepcopy(base)
-    blocks = set(wrapped.blocks)
-    apply_activation_checkpointing(
-        wrapped,
-        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(
-            m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: m in blocks,
-    )
-    out.append(("apply_activation_checkpointing", wrapped, ""))
+    out.append(("apply_activation_checkpointing", _wrap_every_block(base), ""))
+    # Selective activation checkpointing as torchtitan's "op" mode: every block checkpointed,
+    # the matmuls' and attention's outputs kept, the cheap ops between them recomputed.
+    out.append((OP_POLICY_METHOD,
+                _wrap_every_block(base, context_fn=op_policy_context_fn()), ""))
     if compile_budgets:
         for budget in (0.5, 0.1):
             out.append((f"torch.compile(memory budget {budget})", _compiled(base, budget), ""))
@@ -299,7 +359,7 @@ def run_model(name: str, repeat: int, compile_budgets: bool,
         timed.append((row, model))
         cuda = ("" if row.cuda_max_allocated_mib is None
                 else f"  CUDA max {row.cuda_max_allocated_mib:8.2f} MiB")
-        print(f"  {name:9s} {method:40s} peak {row.peak_activation_mib or float('nan'):8.2f} MiB"
+        print(f"  {name:9s} {method:50s} peak {row.peak_activation_mib or float('nan'):8.2f} MiB"
               f"{cuda}", flush=True)
         return row
 
@@ -427,8 +487,62 @@ def verdicts(rows: list[Row]) -> list[str]:
     return out
 
 
+PLOT_NEEDS = "--plot-dir needs matplotlib: pip install matplotlib (or autockpt's [plot] extra)"
+
+
+def matplotlib_missing() -> str | None:
+    """Why ``--plot-dir`` cannot plot (matplotlib does not import), or None when it can."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        return f"{PLOT_NEEDS} ({err})"
+    return None
+
+
+def _annotate(ax: Any, points: list[tuple[float, float, str]]) -> None:
+    """One annotation per group of points whose labels would overlap (within 2% of the
+    memory axis' span and 12% of the other's), their labels one per line; a label to the
+    right of its point, or to the left (and below) in the right part of the panel, so that it
+    stays inside the figure."""
+    if not points:
+        return
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    dx = 0.12 * ((max(xs) - min(xs)) or 1.0)
+    dy = 0.02 * ((max(ys) - min(ys)) or 1.0)
+    groups: list[list[tuple[float, float, str]]] = []
+    for point in sorted(points, key=lambda p: (p[1], p[0])):
+        for group in groups:
+            x0, y0, _ = group[0]
+            if abs(point[0] - x0) <= dx and abs(point[1] - y0) <= dy:
+                group.append(point)
+                break
+        else:
+            groups.append([point])
+    middle = (min(xs) + max(xs)) / 2
+    for group in groups:
+        x, y, _ = group[0]
+        left = x > middle and max(xs) > min(xs)
+        # Left of the point and below it: autockpt's line rises to the left.
+        ax.annotate("\n".join(dict.fromkeys(p[2] for p in group)), (x, y), fontsize=6.5,
+                    xytext=(-6, -3) if left else (6, 2), textcoords="offset points",
+                    ha="right" if left else "left", va="top" if left else "bottom")
+
+
 def plot(rows: list[Row], directory: Path) -> list[Path]:
-    """Memory against time ratio per model, one PNG each (matplotlib needed)."""
+    """One PNG per model (``pareto_<model>.png``), two panels side by side: peak activation
+    memory (MiB, measured) against backward FLOPs and against step time, both as ratios to no
+    checkpointing. Every method is a labelled point (methods on the same spot share one
+    label). autockpt's rows (one per alternative's memory, and its least memory) are joined by
+    a line in order of memory; each sits at the height of the method it was asked to match,
+    so only its least memory is named.
+
+    torch.compile rows have no measured peak and no FLOP count (compiled code is invisible to
+    both): they appear in the time panel only, at what they save for backward, a lower bound
+    of their peak (hollow triangles). Needs matplotlib (:func:`matplotlib_missing`)."""
+    why = matplotlib_missing()
+    if why is not None:
+        raise ImportError(why)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -438,25 +552,60 @@ def plot(rows: list[Row], directory: Path) -> list[Path]:
     paths = []
     for model in sorted({r.model for r in rows}):
         mine = [r for r in rows if r.model == model and r.peak_activation_mib is not None]
-        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-        for r in mine:
-            is_ours = r.method.startswith("autockpt")
-            ax.scatter(r.time_ratio, r.peak_activation_mib, marker="o" if is_ours else "s",
-                       color="tab:blue" if is_ours else "tab:gray", zorder=3)
-            if not is_ours:
-                ax.annotate(r.method, (r.time_ratio, r.peak_activation_mib), fontsize=7,
-                            xytext=(4, 4), textcoords="offset points")
+        compiled = [r for r in rows if r.model == model and r.saved_mib is not None]
         ours = sorted((r for r in mine if r.method.startswith("autockpt")),
-                      key=lambda r: r.peak_activation_mib or 0)
-        ax.plot([r.time_ratio for r in ours], [r.peak_activation_mib for r in ours],
-                color="tab:blue", label="autockpt at matched budgets")
-        ax.set_xlabel("step time / no checkpointing")
-        ax.set_ylabel("peak activation memory (MiB, measured)")
-        ax.set_title(f"{model}: memory vs time")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8)
+                      key=lambda r: (r.peak_activation_mib or 0, r.backward_flops_ratio or 0))
+        others = [r for r in mine if not r.method.startswith("autockpt")]
+        fig, (flops_ax, time_ax) = plt.subplots(1, 2, figsize=(13, 5.5), dpi=110, sharey=True)
+        panels = ((flops_ax, "backward_flops_ratio",
+                   "backward FLOPs / no checkpointing (recompute shows here)"),
+                  (time_ax, "time_ratio", "step time / no checkpointing (median)"))
+        for ax, field, xlabel in panels:
+            points: list[tuple[float, float, str]] = []
+            for r in others:
+                x = getattr(r, field)
+                if x is None:
+                    continue
+                op_policy = r.method == OP_POLICY_METHOD
+                ax.scatter(x, r.peak_activation_mib, marker="D" if op_policy else "s",
+                           color="tab:orange" if op_policy else "tab:gray", zorder=3,
+                           label="op policy (selective op)" if op_policy else None)
+                points.append((x, r.peak_activation_mib, r.method))
+            line = [(getattr(r, field), r.peak_activation_mib) for r in ours
+                    if getattr(r, field) is not None]
+            ax.plot([p[0] for p in line], [p[1] for p in line], marker="o", color="tab:blue",
+                    zorder=4, label="autockpt, asked for each other method's memory (the "
+                                    "same height), and its least memory")
+            # Each matched autockpt point sits at the height of the method it was asked to
+            # match; only the one that matches none is named.
+            points += [(getattr(r, field), r.peak_activation_mib, "autockpt (least memory)")
+                       for r in ours if r.matched_to is None and getattr(r, field) is not None]
+            if field == "time_ratio":
+                for r in compiled:
+                    ax.scatter(r.time_ratio, r.saved_mib, marker="v", facecolors="none",
+                               edgecolors="tab:red", zorder=3)
+                    points.append((r.time_ratio, r.saved_mib or 0.0,
+                                   f"{r.method}: saves (lower bound)"))
+            _annotate(ax, points)
+            ax.set_xlabel(xlabel)
+            ax.grid(alpha=0.3)
+        flops_ax.set_ylabel("peak activation memory (MiB, measured)")
+        flops_ax.set_title(f"{model}: memory against recompute")
+        time_ax.set_title(f"{model}: memory against step time")
+        flops_ax.scatter([], [], marker="s", color="tab:gray", label="other methods")
+        if compiled:
+            time_ax.scatter([], [], marker="v", facecolors="none", edgecolors="tab:red",
+                            label="torch.compile: bytes saved (a lower bound)")
+        handles, labels = flops_ax.get_legend_handles_labels()
+        more = time_ax.get_legend_handles_labels()
+        for handle, text in zip(*more):
+            if text not in labels:
+                handles.append(handle)
+                labels.append(text)
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7.5,
+                   frameon=False)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
         path = directory / f"pareto_{model}.png"
-        fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
         paths.append(path)
@@ -479,8 +628,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true",
                         help="add torch.compile with activation_memory_budget 0.5 and 0.1")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
-    parser.add_argument("--plot-dir", type=Path, help="write a Pareto PNG per model here")
+    parser.add_argument("--plot-dir", type=Path,
+                        help="write a Pareto PNG per model here (two panels: memory against "
+                             "backward FLOPs and against step time; needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.plot_dir is not None:
+        # Before any model runs: a missing matplotlib must not cost a whole benchmark.
+        why = matplotlib_missing()
+        if why is not None:
+            parser.error(why)
     device = parse_device(parser, args.device)
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
