@@ -57,6 +57,20 @@ def brute_force(chain: Chain, budget: int | None, mode: str) -> tuple[int, int] 
     return min(feasible) if feasible else None
 
 
+def assert_optimal_at(chain: Chain, budget: int, mode: str) -> None:
+    """The optimal strategy's plan for ``budget`` fits it at the brute force's least cost, or
+    there is none where the brute force finds none."""
+    expected = brute_force(chain, budget, mode)
+    result = optimal_ranges(chain, budget, mode)
+    if expected is None:
+        assert result is None, f"budget {budget} cannot be met, but a plan was returned"
+        return
+    assert result is not None, f"budget {budget}: brute force found a plan"
+    ranges, peak = result
+    assert peak <= budget
+    assert recompute_cost(chain, ranges, mode) == expected[0]
+
+
 def _long_lived(rng: random.Random, producer: int, reach: int, size: int) -> LongLived:
     """A long-lived storage read last at ``reach``, its first saver drawn first (as it was
     before savers and readers were drawn, so that each seed keeps its chain's other
@@ -128,15 +142,7 @@ def test_optimal_matches_brute_force_on_random_chains(seed: int, mode: str) -> N
     assert recompute_cost(chain, ranges, mode) == least[0]
     for budget in sorted({least[1], baseline, (least[1] + baseline) // 2,
                           rng.randrange(least[1], baseline + 1), least[1] - 1}):
-        expected = brute_force(chain, budget, mode)
-        result = optimal_ranges(chain, budget, mode)
-        if expected is None:
-            assert result is None, f"budget {budget} cannot be met, but a plan was returned"
-            continue
-        assert result is not None, f"budget {budget}: brute force found a plan"
-        ranges, peak = result
-        assert peak <= budget
-        assert recompute_cost(chain, ranges, mode) == expected[0]
+        assert_optimal_at(chain, budget, mode)
 
 
 def _with_passing(rng: random.Random, chain: Chain) -> Chain:

@@ -17,14 +17,13 @@ from autockpt import pipeline
 from autockpt.capturing.trace import bind_inputs, trace
 from autockpt.planning.chain import RUNS_AN_OP, build_chain
 from autockpt.planning.memory_model import recompute_cost, segment_cost, tree_cost
-from autockpt.planning.optimal import optimal_ranges
 from autockpt.planning.overhead import NO_OVERHEAD, Overhead, overhead_for
 from autockpt.planning.planner import make_plan
 from autockpt.profiling.profile import profile
 from autockpt.profiling.stats import node_cost
 from tests import zoo
 from tests.helpers import assert_same_step, train_step
-from tests.test_optimal import brute_force, random_chain
+from tests.test_optimal import assert_optimal_at, brute_force, random_chain
 
 
 @pytest.mark.parametrize("per_segment", [25, 400])
@@ -38,17 +37,9 @@ def test_optimal_stays_exact_with_a_cost_per_segment(seed: int, mode: str,
     assert least is not None
     baseline = brute_force(chain, 10**12, mode)
     assert baseline is not None and baseline[0] == 0
+    # The brute force prices every set of ranges with the cost per segment.
     for budget in sorted({least[1], (least[1] + baseline[1]) // 2, baseline[1] - 1}):
-        expected = brute_force(chain, budget, mode)
-        found = optimal_ranges(chain, budget, mode)
-        if expected is None:
-            assert found is None, f"budget {budget} cannot be met, but a plan was returned"
-            continue
-        assert found is not None, f"budget {budget}: brute force found a plan"
-        ranges, peak = found
-        assert peak <= budget
-        # The brute force prices every set of ranges with the cost per segment.
-        assert recompute_cost(chain, ranges, mode) == expected[0]
+        assert_optimal_at(chain, budget, mode)
 
 
 def _profiled(name: str):  # -> Profile
