@@ -210,8 +210,9 @@ def plan(
         True
 
     ``capture``, ``cost``, ``loss_fn``, ``grad_accumulation``, ``total_mb``, ``optimizer``
-    ``keep_whole`` and ``chunk_head`` are as for :func:`apply`. With ``total_mb`` a model built on the meta
-    device plans too, so whether a model fits a GPU, and how, is answered before renting one.
+    ``keep_whole`` and ``chunk_head`` are as for :func:`apply`. With ``total_mb`` a model built on
+    the meta device plans too, so whether a model fits a GPU, and how, is answered before renting
+    one.
 
     Raises:
         InvalidArgumentError, TraceError, InfeasibleBudgetError: as for :func:`apply`.

@@ -331,7 +331,8 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Capture with the ladder and plan, whichever rung is used (what :func:`autockpt.plan`
     does)."""
     config = with_hooked_modules(module, config)
-    module = unsharded_view(module)  # NOTE [ Planning a sharded model ] in autockpt/capturing/ladder.py
+    module = unsharded_view(module)  # NOTE [ Planning a sharded model ] in
+                                     # autockpt/capturing/ladder.py
     # NOTE [ Planning with the collector paused ] in autockpt/planning/gc.py; NOTE [ Autocast on the
     # meta device ] in autockpt/capturing/meta.py
     uncached = without_cache(module, args, kwargs)
@@ -657,8 +658,8 @@ def build(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     # A given plan is re-applied to a graph captured the way it was made.
     method = plan.capture if plan is not None else config.capture
     config = with_hooked_modules(module, config)
-    # Captured and planned without FSDP2's hooks and shards, compiled onto the module itself,
-    # whose block calls run them (NOTE [ Planning a sharded model ] in autockpt/capturing/ladder.py).
+    # Captured and planned without FSDP2's hooks and shards, compiled onto the module itself, whose
+    # block calls run them (NOTE [ Planning a sharded model ] in autockpt/capturing/ladder.py).
     planning = unsharded_view(module)
     # NOTE [ Planning with the collector paused ] in autockpt/planning/gc.py; NOTE [ Autocast on the
     # meta device ] in autockpt/capturing/meta.py

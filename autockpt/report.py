@@ -108,7 +108,8 @@ def plan_summary(plan: Plan) -> list[str]:
         stretch = head.stretch
         header.append(
             f"  head            {head.chunks} chunks of {head.chunk_rows} rows: "
-            f"{stretch.first_module or stretch.nodes[0]} .. {stretch.last_module or stretch.projection}"
+            f"{stretch.first_module or stretch.nodes[0]}"
+            f" .. {stretch.last_module or stretch.projection}"
             f" -> {stretch.loss} (the {stretch.rows} x {stretch.width} logits never whole; "
             f"gradients made in forward, {format_flops(head.gradient_flops)})")
         if stretch.returned:

@@ -11,17 +11,17 @@ embeddings (Hugging Face Llama, Qwen2 and Gemma before ``maybe_autocast``), atte
 upcasts, layer norms: ``with torch.autocast(device_type=x.device.type, enabled=False)``. On
 the meta device that line raised, and the plan failed although the model is fine.
 
-A disabled autocast on a device type that has no autocast is exactly a no-op: no autocast can
-be on for "meta" (torch cannot enable it), so there is nothing to disable, and the ops inside
-run in the dtypes they would run in anyway. So while autockpt plans a model with meta
-tensors (:func:`meta_autocast`, around every stage of :mod:`autockpt.pipeline`: the capture
-rungs, the profile, the budget and the replay, which are all the places autockpt runs the
-forward while it plans), an autocast constructed for "meta" on the planning thread with ``enabled=False``
-enters and exits doing nothing. With ``enabled=True`` the model asks for lower-precision
-activations on the device it will train on; which ops autocast changes and to what is that
-device's (CUDA's lists are not CPU's), and meta tensors have no autocast dispatch key to apply
-any list, so the plan cannot be made faithfully: :class:`MetaAutocastError` says so and how
-to plan instead, rather than a plan for the wrong activation sizes.
+A disabled autocast on a device type that has no autocast is exactly a no-op: no autocast can be on
+for "meta" (torch cannot enable it), so there is nothing to disable, and the ops inside run in the
+dtypes they would run in anyway. So while autockpt plans a model with meta tensors
+(:func:`meta_autocast`, around every stage of :mod:`autockpt.pipeline`: the capture rungs, the
+profile, the budget and the replay, which are all the places autockpt runs the forward while it
+plans), an autocast constructed for "meta" on the planning thread with ``enabled=False`` enters and
+exits doing nothing. With ``enabled=True`` the model asks for lower-precision activations on the
+device it will train on; which ops autocast changes and to what is that device's (CUDA's lists are
+not CPU's), and meta tensors have no autocast dispatch key to apply any list, so the plan cannot be
+made faithfully: :class:`MetaAutocastError` says so and how to plan instead, rather than a plan for
+the wrong activation sizes.
 
 How: for the planning's duration, the ``__init__``, ``__enter__`` and ``__exit__`` of torch's
 own autocast class are wrapped, not the names ``torch.autocast`` / ``torch.amp.autocast``

@@ -7,24 +7,23 @@ are the original's qualified names, yet nothing the tracer stores on its root (t
 lands on the user's module.
 
 # NOTE [ Custom autograd Functions stay whole ]
-A ``torch.autograd.Function`` the model defines (BLOOM's ``GeLUFunction``, a fused kernel's
-wrapper) often exists to save less for backward than its forward's ops would: GeLUFunction
-saves its input only and recomputes the rest in its own backward. fx would trace into its
-forward and record those ops, so the graph's backward would be autograd's, saving every
-intermediate: for four such layers trained with cross-entropy (tests/test_capture.py) the
-plan put the graph's baseline at 2.5x the model's measured peak, and the least plan measured
-704 KiB where the Function kept whole needs 512 KiB. While tracing, ``Function.apply`` with a proxy among its arguments becomes one
+A ``torch.autograd.Function`` the model defines (BLOOM's ``GeLUFunction``, a fused kernel's wrapper)
+often exists to save less for backward than its forward's ops would: GeLUFunction saves its input
+only and recomputes the rest in its own backward. fx would trace into its forward and record those
+ops, so the graph's backward would be autograd's, saving every intermediate: for four such layers
+trained with cross-entropy (tests/test_capture.py) the plan put the graph's baseline at 2.5x the
+model's measured peak, and the least plan measured 704 KiB where the Function kept whole needs
+512 KiB. While tracing, ``Function.apply`` with a proxy among its arguments becomes one
 ``call_function`` node that calls the real ``apply``, so the rewritten model runs the user's
 Function, its forward and its backward. Functions defined in torch itself, and calls with an
 argument the graph cannot hold as a constant (a Python function, a module), are traced into as
-before. torch.export has no such switch and inlines every Function it meets; so while it
-traces, a Function applied to tensors only is replaced by an operator of its own
-(``autockpt_function::f<k>(Tensor[] args) -> Tensor[]``, :func:`_operator_of`), which export
-records as one node whose fake kernel runs the real ``apply`` on fake tensors for the output
-shapes, and :func:`functions_called` then makes that node call the real ``apply`` (BLOOM, whose
-root fx cannot trace: least memory 65% -> 49% of its baseline). One with another argument (a
-number, a flag) or output, which the operator's schema cannot carry, is still inlined by
-export, and the plan says so.
+before. torch.export has no such switch and inlines every Function it meets; so while it traces, a
+Function applied to tensors only is replaced by an operator of its own
+(``autockpt_function::f<k>(Tensor[] args) -> Tensor[]``, :func:`_operator_of`), which export records
+as one node whose fake kernel runs the real ``apply`` on fake tensors for the output shapes, and
+:func:`functions_called` then makes that node call the real ``apply`` (BLOOM, whose root fx cannot
+trace: least memory 65% -> 49% of its baseline). One with another argument (a number, a flag) or
+output, which the operator's schema cannot carry, is still inlined by export, and the plan says so.
 
 # NOTE [ Trace in train mode ]
 fx bakes Python-level ``if self.training:`` branches into the graph. A graph traced in eval

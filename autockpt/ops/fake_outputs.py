@@ -3,13 +3,13 @@
 # NOTE [ Fake outputs from an op's first run ]
 Planning runs the model's ops on fake tensors three times over: the profile runs each node and
 probes its backward, and the replay runs the chosen plan's forward, its recomputations and its
-backward (:mod:`autockpt.profiling.profile`, :mod:`autockpt.running.replay`). The recomputations repeat the
-forward's ops on the same shapes, a model's repeated blocks repeat each other's, and the replay
-repeats most of what the profile ran. FakeTensorMode has a cache for this, but on this 2-core
-CPU a hit still costs about 250 us: its key describes every argument in full, about
-60% of the hit, and the output is then built through the mode. A reentrant plan of diffusers'
-UNet2DModel (the skip-connection tests' sizes) runs about 3,400 ops on fake tensors, 85% of
-them repeats of an earlier one; one of T5, 5,300, 88% repeats.
+backward (:mod:`autockpt.profiling.profile`, :mod:`autockpt.running.replay`). The recomputations
+repeat the forward's ops on the same shapes, a model's repeated blocks repeat each other's, and the
+replay repeats most of what the profile ran. FakeTensorMode has a cache for this, but on this 2-core
+CPU a hit still costs about 250 us: its key describes every argument in full, about 60% of the hit,
+and the output is then built through the mode. A reentrant plan of diffusers' UNet2DModel (the
+skip-connection tests' sizes) runs about 3,400 ops on fake tensors, 85% of them repeats of an
+earlier one; one of T5, 5,300, 88% repeats.
 
 What planning reads of an op's outputs is their metadata (shape, strides, dtype, device) and
 their storages (which tensors share one, when one is freed), never values. An op that makes

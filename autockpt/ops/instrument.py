@@ -1,10 +1,11 @@
 """Instrumentation: seeing the ATen ops a piece of code runs, and the storages they make.
 
 Every analysis of autockpt that watches code run uses this module and nothing else:
-:mod:`autockpt.profiling.profile` (the working set of each node, on fake tensors), :mod:`autockpt.running.blocks`
-(the log of one forward at the level of submodules), :mod:`autockpt.measure` (the activation
-memory of a real step), :mod:`autockpt.diagnose` (parameters read, random ops and writes inside
-a checkpoint) and :mod:`autockpt.profiling.timing` (the nodes run one by one).
+:mod:`autockpt.profiling.profile` (the working set of each node, on fake tensors),
+:mod:`autockpt.running.blocks` (the log of one forward at the level of submodules),
+:mod:`autockpt.measure` (the activation memory of a real step), :mod:`autockpt.diagnose` (parameters
+read, random ops and writes inside a checkpoint) and :mod:`autockpt.profiling.timing` (the nodes run
+one by one).
 
 - :func:`tensors` and :func:`leaves` flatten a nested value, one way for all of them;
   :func:`map_tensors` rebuilds one with its tensors replaced.

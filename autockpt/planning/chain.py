@@ -1,12 +1,13 @@
 """The graph as a chain of stages: one record per stage and one per cut, in plain numbers.
 
-:func:`build_chain` turns a :class:`~autockpt.profiling.stats.Profile` into a :class:`Chain`: it picks
-the cut points (where few gradient-carrying tensors cross), splits the graph there into
-stages, and sorts every activation storage by how it lives in the chain. Each :class:`Stage`
-records what running it costs and the bytes it keeps, each :class:`Cut` the bytes crossing
-it by which side saves them. No fx here, and no pricing of a plan: the memory model in
+:func:`build_chain` turns a :class:`~autockpt.profiling.stats.Profile` into a :class:`Chain`: it
+picks the cut points (where few gradient-carrying tensors cross), splits the graph there into
+stages, and sorts every activation storage by how it lives in the chain. Each :class:`Stage` records
+what running it costs and the bytes it keeps, each :class:`Cut` the bytes crossing it by which side
+saves them. No fx here, and no pricing of a plan: the memory model in
 :mod:`autockpt.planning.memory_model` reads these numbers (NOTE [ The memory model ] there), and the
-dynamic programmes above it (:mod:`autockpt.planning.optimal`, :mod:`autockpt.planning.nested`) read the model.
+dynamic programmes above it (:mod:`autockpt.planning.optimal`, :mod:`autockpt.planning.nested`) read
+the model.
 
 # NOTE [ Internal, crossing and long-lived storages ]
 Cut points split the graph into stages (see ``_candidate_cuts``). Every activation storage is
@@ -27,23 +28,22 @@ one of three kinds:
 """
 
 # NOTE [ Gradients in backward ]
-# What autograd keeps alive in backward is read off the ops, not guessed from their shapes.
-# The profiler runs each node once more on fake copies of the activations it reads and then
-# its backward alone, from a fresh gradient of its output (autockpt.profiling.profile._probe_backward):
-# the most bytes that backward holds at once (gradients of its inputs and temporaries, less
-# what the node saved and has freed by then: a leaf module frees its internals op by op), and
-# per input whether the gradient handed on is new storage or the output's gradient itself (an
-# add passes it to both operands, a view to its base). ``_backward_grads`` then replays the
-# backward over the whole graph in reverse, buffer by buffer: a gradient passed through lives
-# until the last value holding it is done; a value read by several nodes (a residual stream)
-# keeps its first partial gradient until the others arrive, and autograd adds them out of
-# place (a new buffer, both parts freed); a gradient is freed once its producer has run
-# backward. The model's outputs get what the measure's sum loss gives them: an expanded
-# scalar, no bytes. An input that requires grad keeps its gradient to the end of backward,
-# as its ``.grad``. A saved storage is freed once the first node that saved it has run
-# backward, so a stage's saved bytes shrink as its backward goes. None of this depends on
-# which stages are checkpointed (the backward runs the same ops), so each stage gets one
-# number, ``Stage.backward_peak_bytes``, and the dynamic programme stays exact for the model.
+# What autograd keeps alive in backward is read off the ops, not guessed from their shapes. The
+# profiler runs each node once more on fake copies of the activations it reads and then its backward
+# alone, from a fresh gradient of its output (autockpt.profiling.profile._probe_backward): the most
+# bytes that backward holds at once (gradients of its inputs and temporaries, less what the node
+# saved and has freed by then: a leaf module frees its internals op by op), and per input whether
+# the gradient handed on is new storage or the output's gradient itself (an add passes it to both
+# operands, a view to its base). ``_backward_grads`` then replays the backward over the whole graph
+# in reverse, buffer by buffer: a gradient passed through lives until the last value holding it is
+# done; a value read by several nodes (a residual stream) keeps its first partial gradient until the
+# others arrive, and autograd adds them out of place (a new buffer, both parts freed); a gradient is
+# freed once its producer has run backward. The model's outputs get what the measure's sum loss
+# gives them: an expanded scalar, no bytes. An input that requires grad keeps its gradient to the
+# end of backward, as its ``.grad``. A saved storage is freed once the first node that saved it has
+# run backward, so a stage's saved bytes shrink as its backward goes. None of this depends on which
+# stages are checkpointed (the backward runs the same ops), so each stage gets one number,
+# ``Stage.backward_peak_bytes``, and the dynamic programme stays exact for the model.
 
 from __future__ import annotations
 
@@ -206,10 +206,11 @@ class Passing:
     size_bytes: int
     """Its size."""
     view_readers: tuple[int, ...] = ()
-    """The readers (stages, ascending) with a node whose output leaves the stage and that
-    hands it the gradient of that output, not new storage (a concatenation's slice, an
-    add's shared gradient). A reentrant segment ending there copies that gradient (NOTE
-    [ A reentrant segment copies its inputs' gradients ] in :mod:`autockpt.planning.memory_model`)."""
+    """The readers (stages, ascending) with a node whose output leaves the stage and that hands it
+    the gradient of that output, not new storage (a concatenation's slice, an add's shared
+    gradient). A reentrant segment ending there copies that gradient
+    (NOTE [ A reentrant segment copies its inputs' gradients ] in
+    :mod:`autockpt.planning.memory_model`)."""
     after_read_bytes: tuple[int, ...] = ()
     """Per reader (as ``readers``): the most bytes its stage's backward holds once the last of
     its nodes that read this storage has run backward (as ``Stage.backward_peak_bytes``; 0

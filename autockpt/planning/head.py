@@ -175,16 +175,19 @@ def _classify(node: fx.Node, gm: fx.GraphModule, shapes: RowShapes) -> _Op | Non
     if is_one_of(node, _SLICES):
         return _Op("identity", [first], {}, [], []) if first_shape == shape else None
     if is_one_of(node, _DROPOUTS):
-        p, train = node_argument(node, 1, "p", 0.5), node_argument(node, 2, "train", node_argument(node, 2, "training", True))
+        p, train = node_argument(node, 1, "p", 0.5), node_argument(node, 2, "train",
+            node_argument(node, 2, "training", True))
         return _Op("identity", [first], {}, [], []) if (p == 0 or not train) else None
     if is_one_of(node, _REDUCTIONS):
         ndim = len(first_shape or ())
-        if (_last_dim(node_argument(node, 1, "dim"), ndim) and node_argument(node, 2, "keepdim", False)
+        if (_last_dim(node_argument(node, 1, "dim"), ndim)
+                and node_argument(node, 2, "keepdim", False)
                 and shapes.aligned(first_shape)):
             return _Op("reduce", [first], {}, [], [])
         return None
     if is_one_of(node, _SOFTMAXES):
-        if _last_dim(node_argument(node, 1, "dim"), len(first_shape or ())) and first_shape == shape:
+        if _last_dim(node_argument(node, 1, "dim"),
+                     len(first_shape or ())) and first_shape == shape:
             return _Op("softmax", [first], {}, [], [])
         return None
     if is_one_of(node, _NORMS):
@@ -402,10 +405,11 @@ def _grow(gm: fx.GraphModule, loss: fx.Node, nodes: list[fx.Node], output: fx.No
     return best
 
 
-def _stretch(members: list[fx.Node], kinds: dict[fx.Node, str], source: fx.Node, side: dict[fx.Node, int],
-             whole: dict[fx.Node, None], attributes: dict[str, None], dropped: list[fx.Node],
-             returned: list[fx.Node], projection: fx.Node, loss: fx.Node, rows: int, width: int,
-             options: dict[str, Any], class_targets: bool, gm: fx.GraphModule) -> RowStretch:
+def _stretch(members: list[fx.Node], kinds: dict[fx.Node, str], source: fx.Node,
+             side: dict[fx.Node, int], whole: dict[fx.Node, None], attributes: dict[str, None],
+             dropped: list[fx.Node], returned: list[fx.Node], projection: fx.Node, loss: fx.Node,
+             rows: int, width: int, options: dict[str, Any], class_targets: bool,
+             gm: fx.GraphModule) -> RowStretch:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     ordered = sorted(members, key=order.__getitem__)
     inside = set(members)

@@ -1,11 +1,12 @@
-"""What a plan costs on a :class:`~autockpt.planning.chain.Chain`: its peak memory and its recompute.
+"""What a plan costs on a :class:`~autockpt.planning.chain.Chain`: its peak memory and its
+recompute.
 
-Plain numbers only. A plan is a :data:`Tree` of checkpointed stage ranges (single-level plans
-are :data:`Ranges`, :func:`as_tree` turns them into a tree). :class:`MemoryModel` estimates
-the peak activation bytes of one forward and backward with any plan, and gives the dynamic
-programmes above it (:mod:`autockpt.planning.optimal`, :mod:`autockpt.planning.nested`) each block's numbers in
-constant time; :func:`estimate_peak`, :func:`estimate_tree_peak` and :func:`recompute_cost`
-price a whole plan.
+Plain numbers only. A plan is a :data:`Tree` of checkpointed stage ranges (single-level plans are
+:data:`Ranges`, :func:`as_tree` turns them into a tree). :class:`MemoryModel` estimates the peak
+activation bytes of one forward and backward with any plan, and gives the dynamic programmes above
+it (:mod:`autockpt.planning.optimal`, :mod:`autockpt.planning.nested`) each block's numbers in
+constant time; :func:`estimate_peak`, :func:`estimate_tree_peak` and :func:`recompute_cost` price a
+whole plan.
 
 # NOTE [ The memory model ]
 Every activation storage is internal to a stage, crosses one cut, or is long-lived (NOTE
@@ -61,9 +62,9 @@ from typing import Any, NamedTuple
 
 from autockpt.planning.chain import Chain, LongLived, SharedGradient
 
-__all__ = ["Ranges", "Tree", "WalkKey", "START", "as_tree", "flatten_tree", "tree_depth", "MemoryModel",
-           "estimate_peak", "estimate_tree_peak", "model_of", "segment_cost", "recompute_cost",
-           "tree_cost"]
+__all__ = ["Ranges", "Tree", "WalkKey", "START", "as_tree", "flatten_tree", "tree_depth",
+           "MemoryModel", "estimate_peak", "estimate_tree_peak", "model_of", "segment_cost",
+           "recompute_cost", "tree_cost"]
 
 Ranges = tuple[tuple[int, int], ...]
 """Checkpointed segments as inclusive ``(first_stage, last_stage)`` pairs, sorted, disjoint."""

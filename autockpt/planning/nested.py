@@ -17,15 +17,16 @@ checkpoint runs a backward of its own inside each recompute, which the nested me
 (NOTE [ The nested memory model ] in :mod:`autockpt.planning.memory_model`) does not describe.
 
 # NOTE [ The rotor programme ]
-Beaumont et al., "Optimal checkpointing for heterogeneous chains" (2019): ``C(s, t, m)``, the
-least forward cost of running backward through stages ``s..t`` with memory ``m`` when the
-input of ``s`` is held and the gradient of ``t``'s output is there. Either stage ``s`` runs and
-keeps what it saves (then ``C(s + 1, t, m - kept[s])``), or stages ``s..s'-1`` run without
-saving, the input of ``s'`` is kept, and ``C(s', t, m - inputs[s']) + C(s, s'-1, m)``: the
-second term is the recompute of the segment ``s..s'-1``, itself planned the same way, which is
-nesting. Memory is counted in slots (``_SLOTS`` per budget, sizes rounded up) and with the
-simple sizes of this programme; every plan it proposes is then priced by the nested memory model
-(:func:`~autockpt.planning.memory_model.estimate_tree_peak`), and the cheapest one that fits is kept.
+Beaumont et al., "Optimal checkpointing for heterogeneous chains" (2019): ``C(s, t, m)``, the least
+forward cost of running backward through stages ``s..t`` with memory ``m`` when the input of ``s``
+is held and the gradient of ``t``'s output is there. Either stage ``s`` runs and keeps what it saves
+(then ``C(s + 1, t, m - kept[s])``), or stages ``s..s'-1`` run without saving, the input of ``s'``
+is kept, and ``C(s', t, m - inputs[s']) + C(s, s'-1, m)``: the second term is the recompute of the
+segment ``s..s'-1``, itself planned the same way, which is nesting. Memory is counted in slots
+(``_SLOTS`` per budget, sizes rounded up) and with the simple sizes of this programme; every plan it
+proposes is then priced by the nested memory model
+(:func:`~autockpt.planning.memory_model.estimate_tree_peak`), and the cheapest one that fits is
+kept.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Stage 3: choose which stretches of the graph to checkpoint, on plain numbers.
 
-The planner reads a :class:`~autockpt.profiling.stats.Profile` (numbers about nodes and storages, no fx)
-and returns a :class:`Plan`. It works in three steps:
+The planner reads a :class:`~autockpt.profiling.stats.Profile` (numbers about nodes and storages, no
+fx) and returns a :class:`Plan`. It works in three steps:
 
 1. **Cut points.** A cut between two nodes is a candidate where few gradient-carrying tensors
    cross it (no more than at the cheapest cut: block boundaries of a ResNet or a
@@ -18,8 +18,8 @@ and returns a :class:`Plan`. It works in three steps:
 The layers below it, each using only the ones under it: the chain of stages and cuts
 (:mod:`autockpt.planning.chain`), the memory model that prices a plan on it
 (:mod:`autockpt.planning.memory_model`), and the two dynamic programmes, for single-level segments
-(:mod:`autockpt.planning.optimal`) and nested ones (:mod:`autockpt.planning.nested`). This module holds the
-strategies, the :class:`Plan` and the description of its rows.
+(:mod:`autockpt.planning.optimal`) and nested ones (:mod:`autockpt.planning.nested`). This module
+holds the strategies, the :class:`Plan` and the description of its rows.
 """
 
 from __future__ import annotations
@@ -410,11 +410,11 @@ def _sqrt(chain: Chain, budget: int | None, mode: str, nesting: bool
 
 def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
              ) -> tuple[Tree | None, int]:
-    """The least recompute under the budget, exactly for the price the dynamic programme over
-    the chain puts on a plan (:meth:`~autockpt.planning.memory_model.MemoryModel.peak`, never below the
+    """The least recompute under the budget, exactly for the price the dynamic programme over the
+    chain puts on a plan (:meth:`~autockpt.planning.memory_model.MemoryModel.peak`, never below the
     plan's estimate); with no budget, its least-peak plan improved under the plan's estimate
-    (:func:`_descend`); below the least peak of single-level plans, nested plans from the
-    rotor programme (NOTE [ Where nesting pays ])."""
+    (:func:`_descend`); below the least peak of single-level plans, nested plans from the rotor
+    programme (NOTE [ Where nesting pays ])."""
     # NOTE [ Storages held by the plan ] in autockpt.planning.memory_model: the programme prices a
     # plan at ``MemoryModel.peak``, the plan's estimate (``estimate_peak``) may be lower. A
     # budget between the two is met by the programme's least-peak plan when its estimate
@@ -590,7 +590,8 @@ def _describe(
         start, end = stages[a].start, stages[b].end
         members = nodes[start:end]
         inside = set(range(start, end))
-        inputs = [st for st in profile.storages if st.producer < start and any(u in inside for u in st.users)]
+        inputs = [st for st in profile.storages
+                  if st.producer < start and any(u in inside for u in st.users)]
         freed = sum(
             st.size_bytes
             for st in profile.storages

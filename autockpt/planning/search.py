@@ -40,26 +40,26 @@ storage made by a plain stage is. Its peak is that of each promise's walk, and i
 are the union of theirs.
 
 # NOTE [ Promises decided by the holder ]
-Trying every promise multiplies the keys: each pending storage made by a segment is in two
-versions of every key it is in. On diffusers' UNet2DModel (the skip-connection tests' inputs and
-loss, reentrant, least memory: 7 long-lived storages, up to 7 escaping one segment) the search
-gave up past 100,000 frontier entries, 1,422 keys at a stage. A segment with more than
-``MAX_PROMISED`` storages to promise leaves them undecided instead: one key, in which they form
-a group (``UNDECIDED + first stage``), and each entry carries a debt for the group: the
-segment's term with none of them kept, plus the bytes of those a segment has held since.
-Keeping a storage only adds its bytes to that term, so the entry's peak takes the debt in
-each time a segment holds one of the group's storages, and a plain stage that holds one, or
-its death, leaves the debt as it is; the walk's peak is then that of the promise its holders
-make. Two entries of a key are compared on their debts too (a lower debt is no worse), and a
-debt that can no longer pass the entry's peak, even with every storage of its group kept, is
-dropped and the group's storages unpromised (NOTE [ Promises that change no price ]). A
-storage's promise alone stays tried in the key (``MAX_PROMISED = 1``): there two keys prune
-better than one key with a debt per entry, and the models below were planned fastest so.
-UNet2DModel's search now finishes, at 55,794 entries (0.8-1.3 s here; with every promise
-left undecided, 32,992 entries, but our UNet's search five times slower). On 150 random chains of 8 to 25 stages, both modes, least memory and budgets at
-60% and 80% of the baseline, every search that finished before gives the same estimate and
-recompute, and 47 of the 900 that gave up now finish, with the answers the former search gives
-without its limits (checked on the first 60 chains).
+Trying every promise multiplies the keys: each pending storage made by a segment is in two versions
+of every key it is in. On diffusers' UNet2DModel (the skip-connection tests' inputs and loss,
+reentrant, least memory: 7 long-lived storages, up to 7 escaping one segment) the search gave up
+past 100,000 frontier entries, 1,422 keys at a stage. A segment with more than ``MAX_PROMISED``
+storages to promise leaves them undecided instead: one key, in which they form a group
+(``UNDECIDED + first stage``), and each entry carries a debt for the group: the segment's term with
+none of them kept, plus the bytes of those a segment has held since. Keeping a storage only adds its
+bytes to that term, so the entry's peak takes the debt in each time a segment holds one of the
+group's storages, and a plain stage that holds one, or its death, leaves the debt as it is; the
+walk's peak is then that of the promise its holders make. Two entries of a key are compared on their
+debts too (a lower debt is no worse), and a debt that can no longer pass the entry's peak, even with
+every storage of its group kept, is dropped and the group's storages unpromised
+(NOTE [ Promises that change no price ]). A storage's promise alone stays tried in the key
+(``MAX_PROMISED = 1``): there two keys prune better than one key with a debt per entry, and the
+models below were planned fastest so. UNet2DModel's search now finishes, at 55,794 entries
+(0.8-1.3 s here; with every promise left undecided, 32,992 entries, but our UNet's search five times
+slower). On 150 random chains of 8 to 25 stages, both modes, least memory and budgets at 60% and 80%
+of the baseline, every search that finished before gives the same estimate and recompute, and 47 of
+the 900 that gave up now finish, with the answers the former search gives without its limits
+(checked on the first 60 chains).
 
 The number of keys grows with the pending storages crossing a stage, 2 to the number of them
 in the worst case. An upper ``bound`` on the

@@ -114,9 +114,9 @@ class ModuleProfile:
     notes: tuple[str, ...] = ()
     """How the chain was chosen, and anything the reader should know."""
     own_loss: LossStat | None = None
-    """When the output holds the model's own loss (a Hugging Face model given ``labels=``):
-    that loss, kind ``"inner"``, with the rest of the output it returns, which the step holds
-    through backward (NOTE [ The loss node ] in :mod:`autockpt.profiling.profile`); what a plan of this
+    """When the output holds the model's own loss (a Hugging Face model given ``labels=``): that
+    loss, kind ``"inner"``, with the rest of the output it returns, which the step holds through
+    backward (NOTE [ The loss node ] in :mod:`autockpt.profiling.profile`); what a plan of this
     profile prices without ``loss_fn``. None otherwise."""
 
     def call(self, qualname: str) -> ModuleCall:

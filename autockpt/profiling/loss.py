@@ -126,11 +126,11 @@ def default_loss(output: Any) -> torch.Tensor | None:
 
 
 def planned_loss(output: Any) -> torch.Tensor:
-    """The loss a plan prices when it is given none (NOTE [ The default loss ]): the model's
-    own loss when its output holds one, else a new gradient the size of each floating-point
-    output that requires grad, all made when backward starts, as from a real loss. A replay of
-    the plan (:mod:`autockpt.running.replay`) runs it; a step measured with it holds the whole output
-    through backward, the model's own loss or not, as the default does.
+    """The loss a plan prices when it is given none (NOTE [ The default loss ]): the model's own
+    loss when its output holds one, else a new gradient the size of each floating-point output that
+    requires grad, all made when backward starts, as from a real loss. A replay of the plan
+    (:mod:`autockpt.running.replay`) runs it; a step measured with it holds the whole output through
+    backward, the model's own loss or not, as the default does.
 
     Example:
         >>> x = torch.ones(2, 3, requires_grad=True)

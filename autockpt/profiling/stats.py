@@ -82,8 +82,8 @@ class NodeStat:
     accumulation): autograd then computes each weight gradient into a temporary and adds it
     into ``.grad``, so those gradients count too. ``None``: the same as ``backward_bytes``."""
     time_ns: int | None = None
-    """Median measured forward time of the node in nanoseconds, when it was timed on the real
-    device (``cost="profile"``, :func:`autockpt.profiling.timing.time_nodes`); ``None`` otherwise."""
+    """Median measured forward time of the node in nanoseconds, when it was timed on the real device
+    (``cost="profile"``, :func:`autockpt.profiling.timing.time_nodes`); ``None`` otherwise."""
     saved_buffer_bytes: int = 0
     """Bytes of the buffers it updates and saves for backward (BatchNorm's running
     statistics). Not activations in a plain forward; a recompute runs the node on clones of
@@ -254,10 +254,10 @@ class Profile:
 
 
 def assume_loss(profile: Profile) -> Profile:
-    """``profile`` with a loss node that hands an output-sized gradient to each output that
-    carries gradient, inserted before the output node: what a planner must assume of a loss
-    it cannot run (see NOTE [ The loss node ] in :mod:`autockpt.profiling.profile`). A profile that has
-    a loss node already is returned as it is.
+    """``profile`` with a loss node that hands an output-sized gradient to each output that carries
+    gradient, inserted before the output node: what a planner must assume of a loss it cannot run
+    (see NOTE [ The loss node ] in :mod:`autockpt.profiling.profile`). A profile that has a loss
+    node already is returned as it is.
 
     Example:
         >>> out = NodeStat(index=1, name="output", op="output", target="output",

@@ -7,14 +7,14 @@ calls into non-torch code), autockpt can still checkpoint the model's repeated b
 (``transformer.h.0``, ``transformer.h.1``...) by wrapping their ``forward`` in
 ``torch.utils.checkpoint.checkpoint``. Three steps:
 
-1. :func:`autockpt.profiling.blocks.profile_modules` runs one forward with hooks on every submodule and records, per
-   module call in execution order, its input, output and saved-for-backward bytes, FLOPs,
-   random ops and buffer updates; it picks the chain of blocks
-   (:func:`~autockpt.profiling.blocks.choose_blocks`) and
-   restates the forward as a :class:`~autockpt.profiling.stats.Profile` over that chain.
-2. :func:`autockpt.planning.blocks.plan_modules` hands that profile to :func:`autockpt.planning.planner.make_plan` (strategies,
-   budgets and ``InfeasibleBudgetError`` work as for a traced graph) and maps the plan's
-   checkpointed node ranges back to blocks.
+1. :func:`autockpt.profiling.blocks.profile_modules` runs one forward with hooks on every submodule
+   and records, per module call in execution order, its input, output and saved-for-backward bytes,
+   FLOPs, random ops and buffer updates; it picks the chain of blocks
+   (:func:`~autockpt.profiling.blocks.choose_blocks`) and restates the forward as a
+   :class:`~autockpt.profiling.stats.Profile` over that chain.
+2. :func:`autockpt.planning.blocks.plan_modules` hands that profile to
+   :func:`autockpt.planning.planner.make_plan` (strategies, budgets and ``InfeasibleBudgetError``
+   work as for a traced graph) and maps the plan's checkpointed node ranges back to blocks.
 3. :func:`install` replaces the chosen blocks inside the transformed twin (never in the
    user's module tree) by views whose forward runs under checkpoint in train mode.
 
@@ -109,7 +109,8 @@ _TENSOR = object()
 
 def _run_block(block: nn.Module, spec: BlockSpec, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
-    """Run ``block``'s own forward under checkpoint (:func:`autockpt.running.runner.run_checkpointed`).
+    """Run ``block``'s own forward under checkpoint
+    (:func:`autockpt.running.runner.run_checkpointed`).
 
     Checkpoint is handed the tensors of the call only, flattened: reentrant checkpoint
     takes no keyword arguments and gives gradients only to top-level tensor arguments and

@@ -142,10 +142,12 @@ def _projection_operands(node: fx.Node, gm: fx.GraphModule
     elif node.target is aten.addmm.default:
         if node_argument(node, 3, "beta", 1) != 1 or node_argument(node, 4, "alpha", 1) != 1:
             return None
-        x, weight, bias = node_argument(node, 1, "mat1"), node_argument(node, 2, "mat2"), node.args[0]
+        x = node_argument(node, 1, "mat1")
+        weight, bias = node_argument(node, 2, "mat2"), node.args[0]
         by_weight = True
     else:
-        weight, bias, by_weight = node_argument(node, 1, "mat2", node_argument(node, 1, "other")), None, True
+        other = node_argument(node, 1, "other")
+        weight, bias, by_weight = node_argument(node, 1, "mat2", other), None, True
     if name(x) is None or name(weight) is None or (bias is not None and name(bias) is None):
         return None
     if len(RowShapes.of(weight) or (0,)) != 2 and "autockpt_tensor" in weight.meta:

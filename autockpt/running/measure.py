@@ -544,16 +544,16 @@ def measure(
     (when ``optimizer`` steps them) and the CPU and CUDA random number generators are
     restored, so measuring does not shift the dropout stream.
 
-    A step is ``outputs = model(*args, **kwargs); loss = loss_fn(outputs); loss.backward()``,
-    the whole output held until backward ends, as a training loop holds it, whatever the
-    loss. The default loss is the one every autockpt entry point uses (NOTE [ The default
-    loss ] in :mod:`autockpt.profiling.loss`): the model's own loss when its output holds one (a Hugging
-    Face model given ``labels=``), measured as ``outputs = model(**batch);
-    outputs.loss.backward()`` runs (accelerate's loop), the logits beside the loss held
-    through backward (``model(**batch).loss.backward()`` frees them sooner, and peaks no
-    higher); else the sum of every floating-point output tensor that requires grad, whose
-    backward sends a broadcast scalar into the output and so leaves out the output-sized
-    gradient a real loss makes. Pass ``loss_fn`` to measure with your loss.
+    A step is ``outputs = model(*args, **kwargs); loss = loss_fn(outputs); loss.backward()``, the
+    whole output held until backward ends, as a training loop holds it, whatever the loss. The
+    default loss is the one every autockpt entry point uses (NOTE [ The default loss ] in
+    :mod:`autockpt.profiling.loss`): the model's own loss when its output holds one (a Hugging Face
+    model given ``labels=``), measured as ``outputs = model(**batch); outputs.loss.backward()`` runs
+    (accelerate's loop), the logits beside the loss held through backward
+    (``model(**batch).loss.backward()`` frees them sooner, and peaks no higher); else the sum of
+    every floating-point output tensor that requires grad, whose backward sends a broadcast scalar
+    into the output and so leaves out the output-sized gradient a real loss makes. Pass ``loss_fn``
+    to measure with your loss.
 
     Inputs that require grad get gradients during the step; leaf inputs have their
     ``.grad`` restored afterwards, and non-leaf inputs are detached first so that backward
@@ -797,7 +797,8 @@ class _Step:
                 output = self.model(*self.args, **self.kwargs)
             except Exception as err:
                 raise InvalidArgumentError(
-                    f"{model_name}.forward raised {type(err).__name__} on the example inputs: {err}",
+                    f"{model_name}.forward raised {type(err).__name__} "
+                    f"on the example inputs: {err}",
                     fix=(
                         "check that example_inputs (positional) and example_kwargs match the "
                         f"signature of {model_name}.forward and live on {self.device}"
@@ -956,7 +957,8 @@ def check_arguments(
             fix="pass grad_accumulation=True to measure a micro-batch after the first",
         )
 
-    for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+    for kind, tensors in (("parameter", model.named_parameters()),
+                          ("buffer", model.named_buffers())):
         for name, tensor in tensors:
             if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):
                 raise InvalidArgumentError(

@@ -2,10 +2,10 @@
 
 The memory model (:mod:`autockpt.planning.memory_model`) prices every plan the search looks at from
 numbers per stage, which keeps the search fast and exact for the model. What it cannot see are
-events of single nodes inside a checkpoint's backward. :func:`replay_peak_bytes` prices the one
-plan the search chose by running it: the rewritten forward, the loss and the backward, with the
-real ``torch.utils.checkpoint`` and the real autograd engine, on fake tensors, tracked by the
-same :class:`~autockpt.running.measure.track_activation_memory` that :func:`autockpt.measure` uses on a
+events of single nodes inside a checkpoint's backward. :func:`replay_peak_bytes` prices the one plan
+the search chose by running it: the rewritten forward, the loss and the backward, with the real
+``torch.utils.checkpoint`` and the real autograd engine, on fake tensors, tracked by the same
+:class:`~autockpt.running.measure.track_activation_memory` that :func:`autockpt.measure` uses on a
 real step (NOTE [ Replaying a plan on fake tensors ]).
 
 # NOTE [ Replaying a plan on fake tensors ]
@@ -17,34 +17,33 @@ in one graph and not in another. The stage model prices these on average, and on
 it was below the measured peak by up to 10% for a few plans in a hundred (benchmarks/RESULTS.md,
 "Graphs the model was not fitted to").
 
-Running the step is exact where the model is not: a fake tensor has a storage that lives and
-dies as the real one would (autograd saves and frees the same tensors), only without memory
-behind it, and the tracker counts storages. So the planner searches with the model and then
-replays its choice (reentrant mode only: the non-reentrant model is not below the measured
-peak on those graphs, and a replay costs one fake step per plan). The step runs on fake copies
-of the parameters and inputs (the user's module is reparametrized for the call, as the profile
-does, and put back), each checkpointed segment through :func:`autockpt.running.runner.run_segment` as
-at training time, with the user's ``loss_fn`` or, without one, the loss plans price
-(:func:`autockpt.profiling.loss.planned_loss`: the model's own, else a gradient the size of each output).
-A plan of the ``"modules"`` rung is replayed the same way, its blocks installed on a view of
-the model (:func:`replay_blocks_peak_bytes`), in both modes: that rung cannot run ``loss_fn``
-with the model while profiling, so its replay is the first time the user's loss is priced, and
-its model prices whole blocks from one forward (a non-reentrant plan of Hugging Face BART's
-measured 9-11% above it, at half the baseline). Running Hugging Face's own forward on fake
-tensors can take a longer path than on real ones where it looks at values (BART builds an
-attention mask it skips for real inputs): such a replay is above the step, by 2-5% there. Where the replay is
-above the budget, the planner asks the model for a plan under a budget lowered by the
-difference (:func:`autockpt.pipeline._replanned`).
+Running the step is exact where the model is not: a fake tensor has a storage that lives and dies as
+the real one would (autograd saves and frees the same tensors), only without memory behind it, and
+the tracker counts storages. So the planner searches with the model and then replays its choice
+(reentrant mode only: the non-reentrant model is not below the measured peak on those graphs, and a
+replay costs one fake step per plan). The step runs on fake copies of the parameters and inputs (the
+user's module is reparametrized for the call, as the profile does, and put back), each checkpointed
+segment through :func:`autockpt.running.runner.run_segment` as at training time, with the user's
+``loss_fn`` or, without one, the loss plans price (:func:`autockpt.profiling.loss.planned_loss`: the
+model's own, else a gradient the size of each output). A plan of the ``"modules"`` rung is replayed
+the same way, its blocks installed on a view of the model (:func:`replay_blocks_peak_bytes`), in
+both modes: that rung cannot run ``loss_fn`` with the model while profiling, so its replay is the
+first time the user's loss is priced, and its model prices whole blocks from one forward (a
+non-reentrant plan of Hugging Face BART's measured 9-11% above it, at half the baseline). Running
+Hugging Face's own forward on fake tensors can take a longer path than on real ones where it looks
+at values (BART builds an attention mask it skips for real inputs): such a replay is above the step,
+by 2-5% there. Where the replay is above the budget, the planner asks the model for a plan under a
+budget lowered by the difference (:func:`autockpt.pipeline._replanned`).
 
-Fake kernels make the storage an op's output shape needs; where a real kernel is known to return
-a larger one (a reduced MSE loss keeps its element-wise buffer), the replay widens it as the
-profile does (:func:`autockpt.ops.instrument.widen_reduced_loss`). With nothing to checkpoint, the
-runtime runs the user's own forward, and so does the replay: its Python locals may hold values
-longer than the graph does. What the replay does not see is what the measure does not see
-(NOTE [ What the dispatch-mode measure cannot see ] in :mod:`autockpt.running.measure`), and what fake
-tensors do not run: a data-dependent op fails, and the plan then keeps the model's estimate and
-says why. A modules-rung forward that already needed a real profile is replayed as one real
-step instead (NOTE [ A real replay where fake tensors cannot run ]).
+Fake kernels make the storage an op's output shape needs; where a real kernel is known to return a
+larger one (a reduced MSE loss keeps its element-wise buffer), the replay widens it as the profile
+does (:func:`autockpt.ops.instrument.widen_reduced_loss`). With nothing to checkpoint, the runtime
+runs the user's own forward, and so does the replay: its Python locals may hold values longer than
+the graph does. What the replay does not see is what the measure does not see
+(NOTE [ What the dispatch-mode measure cannot see ] in :mod:`autockpt.running.measure`), and what
+fake tensors do not run: a data-dependent op fails, and the plan then keeps the model's estimate and
+says why. A modules-rung forward that already needed a real profile is replayed as one real step
+instead (NOTE [ A real replay where fake tensors cannot run ]).
 """
 
 from __future__ import annotations
@@ -92,8 +91,9 @@ class _Widen(OpObserver):
 
 
 class _Replayed(nn.Module):
-    """The rewritten forward of one plan as a module, for :func:`autockpt.running.measure.make_step`:
-    it takes the graph's inputs and returns what the user's forward returns."""
+    """The rewritten forward of one plan as a module, for
+    :func:`autockpt.running.measure.make_step`: it takes the graph's inputs and returns what the
+    user's forward returns."""
 
     def __init__(self, view: nn.Module, forward: Callable[..., Any],
                  unflatten: Callable[[Any], Any] | None) -> None:
@@ -234,7 +234,8 @@ def _real_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 def _fake_step_peak(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                     loss_fn: LossFn | None, grad_accumulation: bool) -> int:
     """The tracked peak of one step of ``model`` on fake copies of its state and inputs, with
-    ``loss_fn`` or the loss plans price without one (:func:`autockpt.profiling.loss.planned_loss`)."""
+    ``loss_fn`` or the loss plans price without one
+    (:func:`autockpt.profiling.loss.planned_loss`)."""
     step_loss = loss_fn if loss_fn is not None else planned_loss
     with _fake_mode_for((args, kwargs)) as mode:
         named = [*model.named_parameters(), *model.named_buffers()]

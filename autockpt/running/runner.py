@@ -26,13 +26,13 @@ only asked for in segments where the profiler saw an op that consumes the RNG.
 
 # NOTE [ The dummy argument ]
 Reentrant checkpoint only gives gradients when a tensor argument requires grad: a segment with
-trainable parameters whose inputs do not would silently leave those parameters without
-gradient. Such a segment gets a scalar that requires grad as its first argument, which its
-function drops. The plan says which segments need it (:attr:`autockpt.planning.planner.Segment.dummy_arg`
-for the graph rungs, :attr:`autockpt.running.blocks.BlockSpec.dummy_arg` for the modules rung).
-Under ``torch.compile`` no dummy is made: dynamo traces the call into checkpoint's
-higher-order op, whose backward reaches the parameters whatever the inputs, and it graph-breaks
-on a tensor created with ``requires_grad=True`` (every segment after it would run uncompiled).
+trainable parameters whose inputs do not would silently leave those parameters without gradient.
+Such a segment gets a scalar that requires grad as its first argument, which its function drops. The
+plan says which segments need it (:attr:`autockpt.planning.planner.Segment.dummy_arg` for the graph
+rungs, :attr:`autockpt.running.blocks.BlockSpec.dummy_arg` for the modules rung). Under
+``torch.compile`` no dummy is made: dynamo traces the call into checkpoint's higher-order op, whose
+backward reaches the parameters whatever the inputs, and it graph-breaks on a tensor created with
+``requires_grad=True`` (every segment after it would run uncompiled).
 
 # NOTE [ Outputs no gradient reached ]
 Reentrant checkpoint's backward gets a zero tensor for each output that received no gradient

@@ -42,25 +42,25 @@ and in the recompute is updated twice. autockpt's segments swap clones in for th
 taken of the clones, and the real buffers are unchanged at the end of the recompute.
 
 # NOTE [ Memory a checkpoint saves ]
-Whether a region saves memory depends on what else holds its tensors, which one run cannot
-show. So where ``torch.fx`` can trace the model, it is traced once more with the checkpoint
-calls inlined (the twins note which graph nodes each call's function creates) and profiled on
-fake tensors (:func:`autockpt.profiling.profile.profile`). A region frees the storages that nodes inside
-it save for backward, that nothing outside it saves, and that are not model outputs; it keeps
-its inputs that nothing saves. Freeing no more than it keeps, it saves nothing (AC011, a
-warning); when no node after it saves anything, backward recomputes it first, at the peak
-(AC011, info). Regions are matched with recorded calls by call site and occurrence.
+Whether a region saves memory depends on what else holds its tensors, which one run cannot show. So
+where ``torch.fx`` can trace the model, it is traced once more with the checkpoint calls inlined
+(the twins note which graph nodes each call's function creates) and profiled on fake tensors
+(:func:`autockpt.profiling.profile.profile`). A region frees the storages that nodes inside it save
+for backward, that nothing outside it saves, and that are not model outputs; it keeps its inputs
+that nothing saves. Freeing no more than it keeps, it saves nothing (AC011, a warning); when no node
+after it saves anything, backward recomputes it first, at the peak (AC011, info). Regions are
+matched with recorded calls by call site and occurrence.
 
 # NOTE [ Recognising autockpt's own calls ]
 The session observes the segments autockpt runs (NOTE [ Observing segments ] in
 ``autockpt.running.runner``): the runner announces each segment of a graph rung just before it calls
-checkpoint, so the next observed call is that segment's; its plan row names the segment, and
-the announcement says whether the first argument is the reentrant dummy input. (A block of the
-modules rung has no plan row of its own and is observed like the user's calls.) Such calls
-are checked like any other against what actually happened (no input requiring grad, random
-ops without RNG replay, buffers moved by the recompute, inputs written), which is how the test
-suite shows that autockpt's own checkpointing is clean; the checks that are about how a *user* wrote the call
-(an input given requires_grad, the call site) do not apply to them.
+checkpoint, so the next observed call is that segment's; its plan row names the segment, and the
+announcement says whether the first argument is the reentrant dummy input. (A block of the modules
+rung has no plan row of its own and is observed like the user's calls.) Such calls are checked like
+any other against what actually happened (no input requiring grad, random ops without RNG replay,
+buffers moved by the recompute, inputs written), which is how the test suite shows that autockpt's
+own checkpointing is clean; the checks that are about how a *user* wrote the call (an input given
+requires_grad, the call site) do not apply to them.
 """
 
 from __future__ import annotations
@@ -163,13 +163,14 @@ def diagnose(
             as keyword inputs).
         example_kwargs: keyword inputs of ``forward``.
         loss_fn: ``loss_fn(output) -> scalar tensor``, or the name of a built-in loss
-            (``"cross_entropy"``, ``"mse"``, ``"sum"``: :data:`autockpt.profiling.loss.NAMED_LOSSES`).
-            By default the same loss as every entry point (:func:`autockpt.profiling.loss.default_loss`):
-            the model's own ``output.loss`` when it returns one (the logits beside it get no
-            gradient from it, as in ``model(**batch).loss.backward()``), else the sum of the
-            output's floating-point tensors that require grad. The memory checks profile the
-            step with this loss too. A loss that does not require grad (an output cut off
-            from the parameters) is a finding (AC003), not an error.
+            (``"cross_entropy"``, ``"mse"``, ``"sum"``:
+            :data:`autockpt.profiling.loss.NAMED_LOSSES`). By default the same loss as every entry
+            point (:func:`autockpt.profiling.loss.default_loss`): the model's own ``output.loss``
+            when it returns one (the logits beside it get no gradient from it, as in
+            ``model(**batch).loss.backward()``), else the sum of the output's floating-point tensors
+            that require grad. The memory checks profile the step with this loss too. A loss that
+            does not require grad (an output cut off from the parameters) is a finding (AC003), not
+            an error.
 
     Returns:
         A :class:`~autockpt.tools.findings.Report`; ``print(report)`` shows a table, most severe
@@ -1375,8 +1376,8 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _loss(output: Any, loss_fn: LossFn | None, subject: str) -> torch.Tensor | None:
-    """The scalar to run backward on (:func:`autockpt.profiling.loss.call_loss`, so the default loss is
-    the library's one), or None when it does not require grad: then no parameter can get a
+    """The scalar to run backward on (:func:`autockpt.profiling.loss.call_loss`, so the default loss
+    is the library's one), or None when it does not require grad: then no parameter can get a
     gradient, which :meth:`_Session._judge_gradients` reports (AC003) instead of an error."""
     if loss_fn is None:
         return default_loss(output)

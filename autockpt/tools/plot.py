@@ -15,15 +15,15 @@ Example:
     True
 
 NOTE [ Where the segments are in the timeline ]
-    The curves are the timelines of :class:`~autockpt.running.measure.track_activation_memory`, taken
-    exactly as :func:`~autockpt.running.measure.measure` takes them (same gradient handling, same
-    default loss), so their maxima are the peaks ``measure`` reports. To know which ops belong
+    The curves are the timelines of :class:`~autockpt.running.measure.track_activation_memory`,
+    taken exactly as :func:`~autockpt.running.measure.measure` takes them (same gradient handling,
+    same default loss), so their maxima are the peaks ``measure`` reports. To know which ops belong
     to which checkpointed segment, the step of the transformed model is observed
     (NOTE [ Observing segments ] in :mod:`autockpt.running.runner`): the observer marks the tracker
-    when one of that model's outermost segments starts and ends in forward and when its
-    recompute in backward starts and ends, and hooks the segment's inputs so that the moment
-    their gradients are ready ends the segment's backward. Marks add no ATen op, so the curve
-    is the same as without them.
+    when one of that model's outermost segments starts and ends in forward and when its recompute in
+    backward starts and ends, and hooks the segment's inputs so that the moment their gradients are
+    ready ends the segment's backward. Marks add no ATen op, so the curve is the same as without
+    them.
 """
 
 from __future__ import annotations
