@@ -156,8 +156,7 @@ def plan_blocks(
         prof = profile_modules(view, args, kwargs)
 
         # A node of this rung is a whole block, not an op: only the segment's own cost.
-        overhead = replace(plan_overhead(module, (args, kwargs), replace(config, cost="flops")),
-                           op_cost=0)
+        overhead = replace(plan_overhead(module, (args, kwargs), timed=False), op_cost=0)
 
         def planned_for(budget: int | None) -> Plan:
             return plan_modules(prof, budget, strategy=config.strategy,
@@ -198,15 +197,15 @@ def plan_blocks(
                              kept_whole=config.keep_whole), prof)
 
 
-def plan_overhead(module: nn.Module, inputs: Any, config: ApplyConfig) -> Overhead:
+def plan_overhead(module: nn.Module, inputs: Any, *, timed: bool) -> Overhead:
     """The fixed costs of a segment and of a recomputed op on the device the model's
-    parameters (else its inputs) live on (NOTE [ What a segment costs beyond its FLOPs ] in
-    :mod:`autockpt.planning.overhead`)."""
+    parameters (else its inputs) live on, in nanoseconds where the nodes were ``timed``
+    (NOTE [ What a segment costs beyond its FLOPs ] in :mod:`autockpt.planning.overhead`)."""
     found = next(iter(module.parameters()), None)
     if found is None:
         found = next(iter(tensors(inputs)), None)
     device_type = "cpu" if found is None else found.device.type
-    return overhead_for(device_type, timed=config.cost == "profile")
+    return overhead_for(device_type, timed=timed)
 
 
 def resolve_budget(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -464,11 +463,12 @@ def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], sta
              config: ApplyConfig, budget_bytes: int | None) -> Plan:
     """The plan for ``budget_bytes`` on a graph rung (in reentrant mode replayed, see
     :func:`_replanned`)."""
+    overhead = plan_overhead(module, inputs, timed=config.cost == "profile")
+
     def planned_for(budget: int | None) -> Plan:
         return make_plan(stats, budget, strategy=config.strategy, mode=config.mode,
                          model=base_class(module).__name__,
-                         grad_accumulation=config.grad_accumulation,
-                         overhead=plan_overhead(module, inputs, config))
+                         grad_accumulation=config.grad_accumulation, overhead=overhead)
 
     if config.mode != "reentrant":
         return planned_for(budget_bytes)

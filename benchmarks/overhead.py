@@ -106,7 +106,7 @@ def run(name: str, case: Case, fractions: list[float], repeat: int,
         budget_mb = baseline * fraction / 2**20
         for costs in ("FLOPs + fixed costs", "FLOPs only"):
             if costs == "FLOPs only":
-                pipeline.plan_overhead = lambda *_: NO_OVERHEAD  # type: ignore[assignment]
+                pipeline.plan_overhead = lambda *_, **__: NO_OVERHEAD  # type: ignore[assignment]
             try:
                 plan = autockpt.plan(base, args, example_kwargs=kwargs, loss_fn=loss_fn,
                                      budget_mb=budget_mb)

@@ -144,7 +144,7 @@ def test_apply_plans_with_the_device_costs_and_keeps_gradients_and_budget(
     plan = autockpt.plan_of(ours)
     assert plan is not None
     with monkeypatch.context() as patched:
-        patched.setattr(pipeline, "plan_overhead", lambda *_: NO_OVERHEAD)
+        patched.setattr(pipeline, "plan_overhead", lambda *_, **__: NO_OVERHEAD)
         without = autockpt.plan(twin, args, example_kwargs=kwargs, loss_fn=_loss,
                                 budget_mb=budget_bytes / 2**20)
     # On the CPU the plan takes the CPU's fixed costs: fewer segments than by FLOPs alone.

@@ -62,7 +62,7 @@ def test_a_budget_the_models_plan_misses_is_planned_again_and_met(
     planner asks the model again under a lower budget, and the step meets the budget. The
     plans are chosen by arithmetic alone, as when this seed was found: with the fixed cost
     per segment (autockpt/planning/overhead.py) the model's first plan differs and fits."""
-    monkeypatch.setattr(pipeline, "plan_overhead", lambda *_: NO_OVERHEAD)
+    monkeypatch.setattr(pipeline, "plan_overhead", lambda *_, **__: NO_OVERHEAD)
     spec, args, loss_fn = _graph(60)
     least = autockpt.plan(graphs.build(spec), args, mode="reentrant", loss_fn=loss_fn)
     budget = least.min_peak_bytes
