@@ -29,8 +29,9 @@ from torch import nn
 
 from autockpt.capturing.ladder import NoGraph, capture, hooked_modules, unsharded_view
 from autockpt.capturing.meta import meta_autocast
-from autockpt.capturing.trace import (TracedModel, base_class, bind_inputs, forward_signature,
-                                      shallow_view)
+from autockpt.capturing.shapes import tensor_shapes, tensors_in
+from autockpt.capturing.trace import (TracedModel, base_class, bind_inputs,
+                                      describe_inputs, forward_signature, shallow_view)
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
 from autockpt.ops.instrument import tensors
 from autockpt.planning.blocks import blocks_of_plan, plan_modules
@@ -43,6 +44,7 @@ from autockpt.profiling.blocks import ModuleProfile, profile_modules
 from autockpt.profiling.loss import LossFn
 from autockpt.profiling.profile import ProfileShare, profile
 from autockpt.profiling.stats import LOSS_OP, ChunkedHead, Profile, RowStretch
+from autockpt.profiling.symbolic import ShapeFormula, SymbolicInputs, formula_of
 from autockpt.profiling.timing import time_nodes
 from autockpt.running.blocks import suspended
 from autockpt.running.head import chunk_rows
@@ -55,6 +57,7 @@ __all__ = [
     "BlockPlan",
     "Compiled",
     "GraphPlan",
+    "ShapePricing",
     "build",
     "capture_shared",
     "compile_plan",
@@ -345,8 +348,148 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         return plan_graph(module, traced, bind_inputs(module, args, kwargs), config).plan
 
 
+# NOTE [ Pricing every shape of a shared graph ]
+# A transformed module plans each bucket of shapes on one shared graph (NOTE [ Buckets of
+# shapes ] in autockpt/planning/buckets.py). The graph's first plan is profiled as any: a run
+# of one shape pays nothing more. From the second on, the graph is profiled once on symbolic
+# sizes (NOTE [ One profile for every shape ] in autockpt/profiling/symbolic.py), a few times
+# dearer than one profile, and every later shape where that profile's guards hold is priced by
+# evaluating it: milliseconds instead of a profile. The head in chunks has its formulas per
+# chunk count, on one chunked graph per count that runs at every shape (NOTE [ A chunked head
+# for every shape ] in autockpt/running/head.py). Where no formula holds (a size the guards
+# exclude) the shape is profiled symbolically again, up to SYMBOLIC_PROFILES times per graph,
+# then per shape as before; a symbolic profile that fails (an op that cannot take symbolic
+# sizes) turns the graph back to one profile per shape.
+
+SYMBOLIC_PROFILES = 4
+"""The most symbolic profiles of one graph (NOTE [ Pricing every shape of a shared graph ])."""
+
+
+class ShapePricing:
+    """What a shared graph knows of its profile at every shape (NOTE [ Pricing every shape of a
+    shared graph ]); the runtime keeps one per graph."""
+
+    def __init__(self) -> None:
+        self.formulas: dict[int | None, list[ShapeFormula]] = {}
+        """Formulas by the chunk count of the head (``None``: the head whole)."""
+        self.stretches: dict[int, RowStretch | None] = {}
+        """The row stretch found with each formula of the graph with the head whole (by
+        ``id``)."""
+        self.chunked_graphs: dict[int, TracedModel] = {}
+        """The graph with its head in chunks, by chunk count: one serves every shape."""
+        self.plans = 0
+        """Plans made on the graph."""
+        self.profiled = 0
+        """Profiles run on one shape."""
+        self.symbolic = 0
+        """Profiles run on symbolic sizes."""
+        self.evaluated = 0
+        """Profiles answered by evaluating a formula."""
+        self.failed: str | None = None
+        """Why a symbolic profile failed, if one did: the graph is profiled per shape."""
+
+    def may_profile_symbolically(self) -> bool:
+        return self.failed is None and self.plans > 0 and self.symbolic < SYMBOLIC_PROFILES
+
+
+class _Pricing:
+    """One plan's use of a :class:`ShapePricing`: the call's shapes, and the formula and
+    symbols its profiles came from."""
+
+    def __init__(self, pricing: ShapePricing, arguments: dict[str, Any]) -> None:
+        self.pricing = pricing
+        self.arguments = arguments
+        self.shapes = tensor_shapes(arguments)
+        self.symbolic: SymbolicInputs | None = None
+        self.plain: ShapeFormula | None = None
+
+    def profile(self, traced: TracedModel, inputs: dict[str, Any], loss_fn: LossFn | None,
+                share: ProfileShare | None, chunks: int | None) -> Profile:
+        """The profile of ``traced`` (``chunks``: its head in that many chunks) at the call's
+        shapes: evaluated, profiled symbolically, or profiled."""
+        pricing = self.pricing
+        description = describe_inputs((), {n: inputs[n] for n in traced.spec.param_names})
+        for formula in pricing.formulas.get(chunks, ()):
+            found = formula.at(self.shapes, description)
+            if found is not None:
+                pricing.evaluated += 1
+                if chunks is None:
+                    self.plain = formula
+                return found
+        if pricing.may_profile_symbolically():
+            # The head in chunks resumes the run of the head whole, on its symbols.
+            symbolic = self.symbolic if chunks is not None and self.symbolic is not None \
+                else SymbolicInputs(tensors_in(self.arguments))
+            try:
+                stats = profile(traced, inputs, loss_fn=loss_fn, share=share, symbolic=symbolic)
+                extras: dict[str, Any] = {}
+                stretch = None
+                if chunks is None and share is not None:
+                    stretch = find_row_stretch(traced.graph_module)
+                    if stretch is not None:
+                        extras["rows"] = _symbolic_rows(traced, stretch)
+                formula = formula_of(stats, symbolic, extras)
+                found = formula.at(self.shapes, description)
+            except Exception as err:  # noqa: BLE001 - any op that refuses symbolic sizes
+                pricing.failed = f"{type(err).__name__}: {err}"
+                if share is not None:
+                    share.release()
+            else:
+                pricing.symbolic += 1
+                if found is not None:
+                    self.symbolic = symbolic
+                    pricing.formulas.setdefault(chunks, []).append(formula)
+                    if chunks is None:
+                        self.plain = formula
+                        pricing.stretches[id(formula)] = stretch
+                    return found
+        pricing.profiled += 1
+        return profile(traced, inputs, loss_fn=loss_fn, share=share)
+
+    def stretch(self, traced: TracedModel) -> RowStretch | None:
+        """The row stretch of the graph with the head whole, with the call's rows."""
+        if self.plain is None:  # profiled at these shapes: the graph's metadata is theirs
+            return find_row_stretch(traced.graph_module)
+        stretch = self.pricing.stretches.get(id(self.plain))
+        rows = self.plain.extra("rows", self.shapes)
+        if stretch is None or rows is None:
+            return None
+        return replace(stretch, rows=rows)
+
+    def head(self, stretch: RowStretch) -> ChunkedHead:
+        """How to chunk the head at the call's rows: in as many chunks as a formula of the
+        graph has, where one is within a factor of two of :func:`chunked_head`'s count (its
+        profile is then an evaluation), else in that count."""
+        ideal = chunked_head(stretch)
+        known = [c for c in self.pricing.formulas if c is not None
+                 and ideal.chunks <= 2 * c and c <= 2 * ideal.chunks and c <= stretch.rows]
+        if not known:
+            return ideal
+        chunks = min(known, key=lambda c: (abs(c - ideal.chunks), c))
+        return replace(ideal, chunks=chunks, chunk_rows=-(-stretch.rows // chunks))
+
+    def chunked(self, traced: TracedModel, head: ChunkedHead) -> TracedModel:
+        """The graph with its head in ``head.chunks`` chunks, made once per chunk count."""
+        graphs = self.pricing.chunked_graphs
+        if head.chunks not in graphs:
+            graphs[head.chunks] = chunk_rows(traced, head)
+        return graphs[head.chunks]
+
+
+def _symbolic_rows(traced: TracedModel, stretch: RowStretch) -> Any:
+    """The rows of ``stretch`` as the symbolic profile saw them (an int where fixed)."""
+    node = next(n for n in traced.graph.nodes if n.name == stretch.source)
+    sizes = node.meta.get("autockpt_sizes")
+    if sizes is None:
+        return stretch.rows
+    rows: Any = 1
+    for size in sizes[:-1]:
+        rows = rows * size
+    return rows
+
+
 def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any],
-               config: ApplyConfig) -> GraphPlan:
+               config: ApplyConfig, pricing: ShapePricing | None = None) -> GraphPlan:
     """Profile a captured graph and the loss on fake tensors and plan it. With
     ``cost="profile"`` the nodes are also timed on the real device and the planner weighs
     recompute by time. Where the graph ends in a head and a cross-entropy that act on each
@@ -362,21 +505,27 @@ def plan_graph(module: nn.Module, traced: TracedModel, arguments: dict[str, Any]
     # The graph with its head in chunks shares every node before the head with this one: its
     # profile resumes this one's run and probes only the nodes that differ.
     share = ProfileShare() if chunk else None
+    priced = None if pricing is None else _Pricing(pricing, arguments)
     try:
-        return _plan_both(module, traced, inputs, config, budget_bytes, device, share)
+        return _plan_both(module, traced, inputs, config, budget_bytes, device, share, priced)
     finally:
         if share is not None:
             share.release()
+        if pricing is not None:
+            pricing.plans += 1
 
 
 def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
                config: ApplyConfig, budget_bytes: int | None, device: DeviceBudget | None,
-               share: ProfileShare | None) -> GraphPlan:
+               share: ProfileShare | None, priced: _Pricing | None = None) -> GraphPlan:
     """:func:`plan_graph` once the inputs and the budget are known; ``share`` is None where
     the head is never chunked."""
     plain, plain_error, stats = _plan_traced(module, traced, inputs, config, budget_bytes, device,
-                                             share)
-    stretch = find_row_stretch(traced.graph_module) if share is not None else None
+                                             share, priced=priced)
+    stretch = None
+    if share is not None:
+        stretch = (find_row_stretch(traced.graph_module) if priced is None
+                   else priced.stretch(traced))
     if stretch is None or (plain is not None and not _chunking_may_pay(plain, stats, stretch)):
         if plain is None:
             assert plain_error is not None
@@ -384,12 +533,13 @@ def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
         return plain
     members = set(stretch.nodes)
     forward_flops = sum(n.flops for n in stats.nodes if n.name in members)
-    head = chunked_head(stretch)
-    chunked_traced = chunk_rows(traced, head)
+    head = chunked_head(stretch) if priced is None else priced.head(stretch)
+    chunked_traced = (chunk_rows(traced, head) if priced is None
+                      else priced.chunked(traced, head))
     try:
         chunked, chunked_error, _ = _plan_traced(module, chunked_traced, inputs, config,
                                                  budget_bytes, device, share, head,
-                                                 forward_flops)
+                                                 forward_flops, priced)
     except InvalidArgumentError:
         # The user's loss_fn reads the logits the chunked graph no longer returns.
         chunked, chunked_error = None, None
@@ -420,12 +570,18 @@ def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
 def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
                  config: ApplyConfig, budget_bytes: int | None, device: DeviceBudget | None,
                  share: ProfileShare | None, head: ChunkedHead | None = None,
-                 head_forward_flops: int = 0
+                 head_forward_flops: int = 0, priced: _Pricing | None = None
                  ) -> tuple[GraphPlan | None, InfeasibleBudgetError | None, Profile]:
     """Profile and plan one graph; an infeasible budget is returned, not raised, so that
     the caller can try the graph with the head in chunks (``head``, whose stretch's forward
-    costs ``head_forward_flops``)."""
-    stats = profile(traced, inputs, loss_fn=config.loss_fn, share=share)
+    costs ``head_forward_flops``). With ``priced``, the profile is a formula's evaluation
+    where one holds (NOTE [ One profile for every shape ] in
+    :mod:`autockpt.profiling.symbolic`)."""
+    if priced is None or config.cost == "profile":
+        stats = profile(traced, inputs, loss_fn=config.loss_fn, share=share)
+    else:
+        stats = priced.profile(traced, inputs, config.loss_fn, share,
+                               None if head is None else head.chunks)
     if head is not None:
         # The chunked node's FLOPs are the stretch's forward and backward: the model's
         # forward FLOPs stay the model's.
@@ -701,15 +857,16 @@ def capture_shared(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def plan_shared(module: nn.Module, captured: TracedModel | NoGraph, args: tuple[Any, ...],
-                kwargs: dict[str, Any], arguments: dict[str, Any], config: ApplyConfig
-                ) -> GraphPlan | BlockPlan:
+                kwargs: dict[str, Any], arguments: dict[str, Any], config: ApplyConfig,
+                pricing: ShapePricing | None = None) -> GraphPlan | BlockPlan:
     """Stages 2 for a graph :func:`capture_shared` made, at the call ``args, kwargs`` (bound
     to ``arguments``), which may be larger than any the graph was captured at: the plan,
     not yet compiled (a program is shared by every shape whose plan has the same
-    segments)."""
+    segments). ``pricing`` is what earlier plans on the same graph learnt of its profile at
+    every shape (NOTE [ Pricing every shape of a shared graph ])."""
     config = with_hooked_modules(module, config)
     planning = unsharded_view(module)
     with paused(), meta_autocast(planning, args, kwargs):
         if isinstance(captured, NoGraph):
             return plan_blocks(planning, args, kwargs, captured.reason, config)
-        return plan_graph(planning, captured, arguments, config)
+        return plan_graph(planning, captured, arguments, config, pricing)

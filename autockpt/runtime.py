@@ -140,6 +140,9 @@ class _Family:
     """``(variant id, program)`` by graph and segments: compiled once per distinct plan."""
     hits: dict[Shapes, int] = field(default_factory=dict)
     """How many calls of each bucket without a plan of its own ran a larger plan."""
+    pricing: dict[int, pipeline.ShapePricing] = field(default_factory=dict)
+    """By graph (its index in :attr:`graphs`): its profile at every shape (NOTE [ Pricing
+    every shape of a shared graph ] in :mod:`autockpt.pipeline`)."""
 
     def see(self, shapes: Shapes) -> None:
         if self.first is None:
@@ -332,8 +335,10 @@ class RuntimeState:
             if not _runs_at(graph, priced):
                 raise AutockptError(f"the graph fixes a size of {_describe_shapes(arguments)}",
                                     fix="none needed: planned at the call's own shape")
+        pricing = family.pricing.setdefault(family.graphs.index(graph),
+                                            pipeline.ShapePricing())
         built = pipeline.plan_shared(module, graph, priced_args, priced_kwargs, priced,
-                                     self.config)
+                                     self.config, pricing)
         plan = replace(built.plan, serves=_serves(arguments, target, family.varying, stated)
                        if target != shapes or stated else "")
         if isinstance(built, BlockPlan):
@@ -343,7 +348,7 @@ class RuntimeState:
             traced = built.traced
             head = plan.chunked_head
             program_key = (family.graphs.index(graph), repr(plan.segments),
-                           None if head is None else (head.chunk_rows, head.stretch.nodes))
+                           None if head is None else (head.chunks, head.stretch.nodes))
             found = family.programs.get(program_key)
             if found is None:
                 variant_id = self._next_id

@@ -37,6 +37,7 @@ __all__ = [
     "resized",
     "resized_call",
     "tensor_names",
+    "tensors_in",
     "signature_key",
     "structure_key",
     "tensor_shapes",
@@ -123,6 +124,17 @@ def _named_tensors(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors inside ``value``, in the order :func:`_value_key` walks them."""
     return [tensor for _, tensor in _named_tensors(value, "")]
+
+
+def tensors_in(arguments: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a call, in the order :func:`tensor_shapes` gives their shapes.
+
+    Example:
+        >>> import torch
+        >>> [tuple(t.shape) for t in tensors_in({"x": torch.ones(2), "y": [torch.ones(3)]})]
+        [(2,), (3,)]
+    """
+    return _tensors(dict(arguments))
 
 
 def tensor_shapes(arguments: dict[str, Any]) -> Shapes:

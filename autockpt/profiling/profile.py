@@ -51,6 +51,7 @@ from autockpt.ops.instrument import (
 from autockpt.profiling.loss import LossFn, call_loss, inner_loss, output_parts
 from autockpt.profiling.shape_rules import SHAPE_RULES
 from autockpt.profiling.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
+from autockpt.profiling.symbolic import SymbolicInputs, larger
 
 __all__ = ["ProfileShare", "profile", "describe_inputs"]
 
@@ -135,7 +136,7 @@ class _WorkingSet(OpObserver):
         size = storage.nbytes()
         self._live.add(storage, size)
         self.live_bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes - self.freed_bytes)
+        self.peak_bytes = larger(self.peak_bytes, self.live_bytes - self.freed_bytes)
 
 
 _ALIASING = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
@@ -211,10 +212,12 @@ class _KeptRun:
     param_keys: set[int]
     input_keys: set[int]
     buffer_names: dict[int, str]
+    symbolic: SymbolicInputs | None
 
 
 def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | None = None,
-            share: ProfileShare | None = None) -> Profile:
+            share: ProfileShare | None = None, symbolic: SymbolicInputs | None = None
+            ) -> Profile:
     """Run the traced graph on fake tensors and measure each node, and the loss of the step.
 
     ``inputs`` maps the forward's parameter names to the example values (real or fake tensors,
@@ -224,7 +227,10 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
     floating output (see NOTE [ The loss node ]). ``share``, when given, carries the backward
     probes from one profile to the next, and the first profile's run, which the second resumes
     where the graphs start to differ (NOTE [ A second graph resumes the first ]); the caller
-    calls ``share.release()`` when done.
+    calls ``share.release()`` when done. ``symbolic``, when given, makes the inputs' sizes
+    symbols: the profile's numbers are then ``torch.SymInt`` expressions in them, which
+    :func:`autockpt.profiling.symbolic.formula_of` turns into a formula for every shape (NOTE
+    [ One profile for every shape ]).
 
     Example:
         >>> import torch
@@ -239,13 +245,17 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
     """
     gm = traced.graph_module
     kept = share._kept if share is not None else None
-    start = _resume_point(kept.runner, gm) if kept is not None else None
+    # A run on symbolic sizes is resumed only by a profile on the same symbols, and the
+    # reverse: the values carried over are of one kind.
+    start = (_resume_point(kept.runner, gm)
+             if kept is not None and kept.symbolic is symbolic else None)
     if kept is not None and start is not None:
         fake_mode, fake_state, values_in = kept.fake_mode, kept.fake_state, kept.values_in
         param_keys, input_keys = set(kept.param_keys), kept.input_keys
         buffer_names = kept.buffer_names
     else:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        fake_mode = (FakeTensorMode(allow_non_fake_inputs=False) if symbolic is None
+                     else symbolic.fake_mode)
         # Tied parameters (shared embeddings) appear once here; functional_call re-ties them.
         named = list(gm.named_parameters()) + list(gm.named_buffers())
         fake_state = {name: fake_copy(fake_mode, t) for name, t in named}
@@ -255,7 +265,8 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
         def fakeify(value: Any) -> Any:
             # Tensors inside containers too: a dict or dataclass batch is one placeholder
             # whose tensors the graph reads with getitem/getattr.
-            return map_tensors(value, fake_mode.from_tensor)
+            return map_tensors(value, fake_mode.from_tensor if symbolic is None
+                               else symbolic.fake)
 
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         values_in = []
@@ -279,7 +290,7 @@ def profile(traced: TracedModel, inputs: dict[str, Any], *, loss_fn: LossFn | No
     if keep:
         assert share is not None
         share._kept = _KeptRun(runner, fake_mode, fake_state, values_in, param_keys,
-                               input_keys, buffer_names)
+                               input_keys, buffer_names, symbolic)
     description = describe_inputs((), {n: inputs[n] for n in traced.spec.param_names})
     return runner.result(description)
 
@@ -544,7 +555,7 @@ class _ProfileRunner(fx.Interpreter):
                 earlier = set().union(*self._param_reads) if self._param_reads else set()
                 grads = [g for param, g in recorded if storage_key(param) not in earlier]
                 self._param_keys.update(storage_key(g) for g in grads)
-                watcher.peak_bytes = max(0, watcher.peak_bytes - sum(
+                watcher.peak_bytes = larger(0, watcher.peak_bytes - sum(
                     g.untyped_storage().nbytes() for g in grads))
                 recorded.clear()
         self.env[node] = value
@@ -564,7 +575,7 @@ class _ProfileRunner(fx.Interpreter):
             }
         )
         work_bytes = watcher.peak_bytes
-        flops = int(counter.total - flops_before)
+        flops = _count(counter.total - flops_before)
         watcher.old_keys.update(storage_key(t) for t in tensors(value))
         watcher.old_keys.update(storage_key(t) for t in saved_now)
         random = watcher.random  # before the probe resets the watcher
@@ -629,7 +640,7 @@ class _ProfileRunner(fx.Interpreter):
             requires_grad=any(t.requires_grad for t in tensors(value)),
             flops=flops,
             output_bytes=output_bytes,
-            work_bytes=max(work_bytes, output_bytes),
+            work_bytes=larger(work_bytes, output_bytes),
             random=random,
             trainable=trainable,
             mutated_inputs=tuple(mutated_inputs),
@@ -645,8 +656,14 @@ class _ProfileRunner(fx.Interpreter):
         node.meta["autockpt"] = stat
         if isinstance(value, torch.Tensor):
             # Shapes for the passes that read them after the profile (autockpt.planning.head).
-            node.meta["autockpt_tensor"] = (tuple(int(d) for d in value.shape),
+            node.meta["autockpt_tensor"] = (tuple(_hint(d) for d in value.shape),
                                             value.dtype, value.requires_grad)
+            # Symbolic sizes, for what a formula evaluates beside the profile (the head's
+            # rows): NOTE [ One profile for every shape ] in autockpt.profiling.symbolic.
+            if any(isinstance(d, torch.SymInt) for d in value.shape):
+                node.meta["autockpt_sizes"] = tuple(value.shape)
+            else:
+                node.meta.pop("autockpt_sizes", None)
         self._stats.append(stat)
         return value
 
@@ -775,7 +792,7 @@ class _ProfileRunner(fx.Interpreter):
             saved_now.clear()
             before = counter.total
             value = call_loss(fn, output, "the model")
-            flops = int(counter.total - before)
+            flops = _count(counter.total - before)
             work = watcher.peak_bytes
             random = watcher.random
             watcher.old_keys.update(storage_key(t) for t in [value, *saved_now])
@@ -808,7 +825,7 @@ class _ProfileRunner(fx.Interpreter):
             index=index, name="loss", op=LOSS_OP, target=name, module_path="",
             inputs=tuple(position[i] for i in inputs), users=(index + 1,),
             output_kind="tensor", requires_grad=True, flops=flops, output_bytes=output_bytes,
-            work_bytes=max(work, output_bytes), random=random, trainable=False,
+            work_bytes=larger(work, output_bytes), random=random, trainable=False,
             mutated_inputs=(), mutated_buffers=(),
             backward_bytes=backward[0] if backward is not None else sum(handed),
             input_grad_bytes=handed if backward is not None else (),
@@ -961,6 +978,24 @@ def _grad_size(value: Any) -> int:
     return total
 
 
+def _count(value: Any) -> Any:
+    """An int, or a symbolic one as it is (NOTE [ One profile for every shape ]): ``int()``
+    would fix the sizes it depends on."""
+    return value if isinstance(value, torch.SymInt) else int(value)
+
+
+def _hint(size: Any) -> int:
+    """A size's value at the shape profiled, without fixing a symbolic one."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _sizes_key(sizes: Iterable[Any]) -> tuple[Any, ...]:
+    """Sizes as a hashable key: a symbolic size (NOTE [ One profile for every shape ]) as its
+    expression, which two tensors of the same symbolic shape share."""
+    return tuple(("sym", str(size.node.expr)) if isinstance(size, torch.SymInt) else size
+                 for size in sizes)
+
+
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
            torch.layout)
 
@@ -979,14 +1014,17 @@ def _probe_key(interpreter: fx.Interpreter, node: fx.Node, storage_index: dict[i
         if isinstance(value, torch.Tensor):
             key = storage_key(value)
             alias = seen.setdefault(key, len(seen))
-            return ("T", tuple(value.shape), value.stride(), value.storage_offset(),
-                    value.dtype, value.requires_grad, key in storage_index, alias)
+            return ("T", _sizes_key(value.shape), _sizes_key(value.stride()),
+                    _sizes_key((value.storage_offset(),)), value.dtype, value.requires_grad,
+                    key in storage_index, alias)
         if isinstance(value, (tuple, list)):
             return (type(value).__name__, *(describe(v) for v in value))
         if isinstance(value, dict):
             return ("dict", *((k, describe(v)) for k, v in value.items()))
         if isinstance(value, _SIMPLE):
             return value
+        if isinstance(value, torch.SymInt):
+            return _sizes_key((value,))
         raise TypeError  # not described: no sharing
 
     if node.op == "call_module":
@@ -1270,7 +1308,7 @@ def _backward_peaks(out: Any, saved: list[torch.Tensor], leaves: _Leaves, edges:
         if grad is not None and storage_key(grad) not in seen and _same_layout(grad, param):
             seen.add(storage_key(grad))
             param_bytes += grad.untyped_storage().nbytes()
-    return max(watcher.peak_bytes - param_bytes, 0), tuple(per_input), watcher.peak_bytes
+    return larger(watcher.peak_bytes - param_bytes, 0), tuple(per_input), watcher.peak_bytes
 
 
 def _ledger_of(storages: Iterable[torch.UntypedStorage], on_free: Callable[[int], None]

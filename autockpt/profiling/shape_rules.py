@@ -284,6 +284,29 @@ def _pointwise_backward(grad_out: Any, input: Any, *rest: Any, **kwargs: Any) ->
     return torch.empty_like(grad_out)
 
 
+def _symbolic(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and any(
+        isinstance(size, torch.SymInt) for size in tensor.shape)
+
+
+def _constant_pad(input: Any, pad: Sequence[Any], value: Any = 0) -> Any:
+    """A constant padding of a tensor with symbolic sizes (NOTE [ One profile for every shape ]
+    in :mod:`autockpt.profiling.symbolic`): the C++ kernel reads the sizes as ints, which
+    fixes them, and torch's own decomposition does not."""
+    if not _symbolic(input):
+        return None
+    from torch._decomp import decomposition_table
+
+    return decomposition_table[_aten.constant_pad_nd.default](input, pad, value)
+
+
+def _pad(input: Any, pad: Sequence[Any], mode: str = "constant", value: Any = None) -> Any:
+    """``aten.pad`` in constant mode: :func:`_constant_pad`."""
+    if mode != "constant":
+        return None
+    return _constant_pad(input, pad, 0 if value is None else value)
+
+
 _aten = torch.ops.aten
 
 SHAPE_RULES: Mapping[torch._ops.OpOverload, ShapeRule] = {
@@ -299,6 +322,8 @@ SHAPE_RULES: Mapping[torch._ops.OpOverload, ShapeRule] = {
     _aten.sigmoid_backward.default: _pointwise_backward,
     _aten.tanh_backward.default: _pointwise_backward,
     _aten.view.default: _view,
+    _aten.constant_pad_nd.default: _constant_pad,
+    _aten.pad.default: _pad,
     torch.ops.prim.device.default: _device,
 }
 """The ops answered by a rule (NOTE [ Ops answered by a shape rule ])."""

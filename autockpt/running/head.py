@@ -316,8 +316,13 @@ class _ChunkedRowsFunction(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * len(externals)
         into: dict[str, torch.Tensor] = {}
         total: torch.Tensor | None = None
-        step = runner.head.chunk_rows
-        for start in range(0, rows, step):
+        # NOTE [ A chunked head for every shape ]: the chunk count is the plan's, the rows
+        # per chunk follow from the call's rows, so that one program serves every shape.
+        step = -(-rows // runner.head.chunks)
+        for index in range(runner.head.chunks):
+            start = index * step
+            if start >= rows:
+                break
             stop = min(rows, start + step)
             # Plain saved tensors: hooks around this forward (a profiler's, an offloading
             # one) must not keep every chunk's log-softmax: they are freed with the chunk.

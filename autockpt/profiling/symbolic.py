@@ -1,0 +1,291 @@
+"""One profile for every shape: the profile taken once on symbolic sizes, evaluated per shape.
+
+NOTE [ One profile for every shape ]
+A fine-tuning loop changes shape nearly every batch (dynamic padding, multi-scale images), and
+a plan priced at one shape does not serve a larger one. Profiling each new shape on fake
+tensors costs a few tenths of a second for a small transformer on a CPU, more than its
+training step. But for one graph, what the profile measures is a function of the input sizes:
+a storage's bytes are a product of sizes, an op's FLOPs a polynomial in them, a working set a
+sum of storages, and a node's peak the largest of a few such sums. So the profile runs once
+with the input sizes as symbols of a ``ShapeEnv`` (every dimension of 2 or more of every input
+tensor, one symbol per distinct size): fake tensors then carry expressions such as
+``1024*s0*s1``, and every number of the :class:`~autockpt.profiling.stats.Profile` comes out
+as an expression in the symbols. Where the run compares two sizes (the larger of two working
+sets, a view that must divide, a branch of the model), the ``ShapeEnv`` takes the answer at
+the profiled sizes and records it as a guard, such as
+``144*s1**2 + 12288*s1 > 80*s1**2 + 16384*s1``; where something needs a plain int of a size
+(a kernel that specialises, a model that branches on a value), it fixes the symbol to that
+int. The expressions are therefore exact wherever every guard holds and every fixed symbol
+has its value: there, a new shape's profile is an evaluation of a few dozen distinct
+expressions (:meth:`ShapeFormula.at`), equal to what profiling that shape would measure
+(tests/test_symbolic_profile.py compares them node by node). Elsewhere ``at`` returns
+``None`` and the shape is profiled as before.
+
+Sizes 0 and 1 stay fixed (they change broadcasting, so torch specialises them anyway), and so
+does a call whose sizes break the symbols' pattern (two sizes that were one symbol because
+they were equal, now different).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import sympy
+import torch
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+from autockpt.profiling.stats import Profile
+
+__all__ = ["SymbolicInputs", "ShapeFormula", "formula_of", "larger"]
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+def larger(a: Any, b: Any) -> Any:
+    """``max(a, b)``; of symbolic sizes, their symbolic maximum, which holds at every shape,
+    where ``max`` would compare them at the profiled one and guard on the answer.
+
+    Example:
+        >>> larger(3, 5)
+        5
+    """
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return torch.sym_max(a, b)
+    return max(a, b)
+
+
+class SymbolicInputs:
+    """Fake inputs whose sizes are symbols of one ``ShapeEnv`` (NOTE [ One profile for every
+    shape ]): every dimension of 2 or more of every tensor, one symbol per distinct size.
+
+    ``order`` is the call's tensors in the order :func:`autockpt.capturing.shapes.tensor_shapes`
+    walks them: the formula binds its symbols to those positions.
+    """
+
+    def __init__(self, order: Sequence[torch.Tensor]) -> None:
+        self.shape_env = ShapeEnv()
+        # Parameters and buffers keep their sizes: only the inputs are made symbolic.
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=self.shape_env,
+                                        static_shapes=True)
+        self._position = {id(t): i for i, t in enumerate(order)}
+        self.shapes: Shapes = tuple(tuple(int(s) for s in t.shape) for t in order)
+        self._symbols: dict[int, torch.SymInt] = {}
+        self.bindings: list[tuple[int, int, str]] = []
+
+    def _size(self, size: int) -> Any:
+        if size < 2:
+            return size
+        found = self._symbols.get(size)
+        if found is None:
+            source = ConstantSource(f"autockpt_size_{size}")
+            symbol = self.shape_env.create_symbol(size, source, dynamic_dim=DimDynamic.DYNAMIC)
+            found = self._symbols[size] = self.shape_env.create_symintnode(
+                symbol, hint=size, source=source)
+        return found
+
+    def fake(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A fake copy of ``tensor`` with symbolic sizes where it is one of the call's tensors
+        (a plain fake copy otherwise)."""
+        position = self._position.get(id(tensor))
+        if position is None or tensor.layout != torch.strided:
+            return self.fake_mode.from_tensor(tensor)
+        sizes = [self._size(int(s)) for s in tensor.shape]
+        for dim, size in enumerate(sizes):
+            if isinstance(size, torch.SymInt):
+                self.bindings.append((position, dim, str(size.node.expr)))
+        with self.fake_mode:
+            if tensor.is_contiguous():
+                fake = torch.empty(sizes, dtype=tensor.dtype, device=tensor.device)
+            else:
+                fake = torch.empty_strided(sizes, _strides(tensor, sizes), dtype=tensor.dtype,
+                                           device=tensor.device)
+        return fake.requires_grad_(tensor.requires_grad)
+
+
+def _strides(tensor: torch.Tensor, sizes: list[Any]) -> list[Any]:
+    """Strides for ``sizes`` laid out in ``tensor``'s order of dimensions (a permuted or
+    channels-last input keeps its layout)."""
+    order = sorted(range(tensor.dim()), key=lambda d: (tensor.stride(d), -d))
+    strides: list[Any] = [0] * tensor.dim()
+    step: Any = 1
+    for dim in order:
+        strides[dim] = step
+        step = step * sizes[dim]
+    return strides
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a symbolic number sits in the profile: ``path`` names the object and field."""
+
+    path: tuple[Any, ...]
+    expression: int
+
+
+class ShapeFormula:
+    """A profile taken on symbolic sizes, evaluated at a shape by :meth:`at` (NOTE [ One
+    profile for every shape ]).
+
+    Example:
+        >>> import torch
+        >>> from autockpt.capturing.trace import trace
+        >>> from autockpt.profiling.profile import profile
+        >>> net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+        >>> x = torch.randn(4, 8)
+        >>> symbolic = SymbolicInputs([x])
+        >>> formula = formula_of(profile(trace(net, (x,)), {"input": x}, symbolic=symbolic),
+        ...                      symbolic)
+        >>> formula.at(((32, 8),), "input: float32[32, 8]").nodes[1].output_bytes
+        2048
+        >>> formula.at(((1, 8),), "") is None  # a size of 1 is another graph to torch
+        True
+    """
+
+    def __init__(self, template: Profile, symbolic: SymbolicInputs,
+                 expressions: list[sympy.Expr], slots: list[_Slot],
+                 extras: dict[str, int]) -> None:
+        env = symbolic.shape_env
+        self._template = template
+        self._expressions = expressions
+        self._slots = slots
+        self._extras = extras
+        self.symbols: tuple[str, ...] = tuple(sorted({name for _, _, name in symbolic.bindings}))
+        self._symbol_of = {name: sympy.Symbol(name, integer=True, positive=True)
+                           for name in self.symbols}
+        bound = {(t, d): name for t, d, name in symbolic.bindings}
+        self._bindings = tuple(symbolic.bindings)
+        # Every size not bound to a symbol must be what it was.
+        self._fixed = tuple(
+            (t, d, size) for t, dims in enumerate(symbolic.shapes) for d, size in enumerate(dims)
+            if (t, d) not in bound)
+        self._ranks = tuple(len(dims) for dims in symbolic.shapes)
+        checks: list[sympy.Basic] = [guard.expr for guard in env.guards]
+        for symbol, value in env.replacements.items():
+            checks.append(sympy.Eq(symbol, value))
+        self._checks = tuple(checks)
+        self.guard_count = len(checks)
+
+    def at(self, shapes: Shapes, input_signature: str) -> Profile | None:
+        """The profile at ``shapes`` (the call's tensors' shapes, in the order of
+        :class:`SymbolicInputs`), or ``None`` where the profile taken does not hold there."""
+        values = self._bind(shapes)
+        if values is None:
+            return None
+        mapping = {self._symbol_of[name]: sympy.Integer(v) for name, v in values.items()}
+        for check in self._checks:
+            if check.xreplace(mapping) is not sympy.true:
+                return None
+        numbers = [int(e.xreplace(mapping)) for e in self._expressions]
+        return _rebuilt(self._template, self._slots, numbers, input_signature)
+
+    def extra(self, name: str, shapes: Shapes) -> int | None:
+        """A named expression recorded with the profile (``"rows"``), at ``shapes``."""
+        values = self._bind(shapes)
+        if values is None or name not in self._extras:
+            return None
+        mapping = {self._symbol_of[n]: sympy.Integer(v) for n, v in values.items()}
+        return int(self._expressions[self._extras[name]].xreplace(mapping))
+
+    def _bind(self, shapes: Shapes) -> dict[str, int] | None:
+        if tuple(len(dims) for dims in shapes) != self._ranks:
+            return None
+        if any(shapes[t][d] != size for t, d, size in self._fixed):
+            return None
+        values: dict[str, int] = {}
+        for t, d, name in self._bindings:
+            size = shapes[t][d]
+            if size < 2 or values.setdefault(name, size) != size:
+                return None
+        return values
+
+
+def formula_of(template: Profile, symbolic: SymbolicInputs,
+               extras: dict[str, Any] | None = None) -> ShapeFormula:
+    """The :class:`ShapeFormula` of a profile taken with ``symbolic``'s inputs (its numbers
+    ints or ``torch.SymInt``); ``extras`` names more sizes to evaluate
+    (:meth:`ShapeFormula.extra`)."""
+    expressions: list[sympy.Expr] = []
+    index: dict[sympy.Expr, int] = {}
+    env = symbolic.shape_env
+
+    def number(value: Any) -> int | None:
+        if not isinstance(value, torch.SymInt):
+            return None
+        expr = env.simplify(value.node.expr)
+        found = index.get(expr)
+        if found is None:
+            found = index[expr] = len(expressions)
+            expressions.append(expr)
+        return found
+
+    slots: list[_Slot] = []
+
+    def walk(value: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, torch.SymInt):
+            slot = number(value)
+            assert slot is not None
+            slots.append(_Slot(path, slot))
+            return 0  # the template's placeholder
+        if isinstance(value, tuple):
+            return tuple(walk(v, (*path, i)) for i, v in enumerate(value))
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changed = {f.name: walk(getattr(value, f.name), (*path, f.name))
+                       for f in dataclasses.fields(value)}
+            return replace(value, **changed)
+        return value
+
+    plain = walk(template, ())
+    named = {}
+    for name, value in (extras or {}).items():
+        slot = number(value)
+        if slot is None:
+            slot = len(expressions)
+            expressions.append(sympy.Integer(int(value)))
+        named[name] = slot
+    return ShapeFormula(plain, symbolic, expressions, slots, named)
+
+
+def _rebuilt(template: Profile, slots: list[_Slot], numbers: list[int],
+             input_signature: str) -> Profile:
+    """``template`` with each slot's number put in, each object that holds one rebuilt
+    once."""
+    by_owner: dict[tuple[Any, ...], list[tuple[tuple[Any, ...], int]]] = {}
+    for slot in slots:
+        size = 1 if slot.path[0] == "loss" else 2
+        by_owner.setdefault(slot.path[:size], []).append(
+            (slot.path[size:], numbers[slot.expression]))
+    nodes = list(template.nodes)
+    storages = list(template.storages)
+    loss = template.loss
+    for owner, puts in by_owner.items():
+        if owner[0] == "nodes":
+            nodes[owner[1]] = _filled(nodes[owner[1]], puts)
+        elif owner[0] == "storages":
+            storages[owner[1]] = _filled(storages[owner[1]], puts)
+        else:
+            loss = _filled(loss, puts)
+    return replace(template, nodes=tuple(nodes), storages=tuple(storages), loss=loss,
+                   input_signature=input_signature)
+
+
+def _filled(obj: Any, puts: list[tuple[tuple[Any, ...], int]]) -> Any:
+    """``obj`` (a dataclass) with the number of each ``(path, number)`` at its field path."""
+    fields: dict[str, Any] = {}
+    for path, value in puts:
+        name, *rest = path
+        fields[name] = _put(fields.get(name, getattr(obj, name)), rest, value)
+    return replace(obj, **fields)
+
+
+def _put(value: Any, path: Sequence[Any], number: int) -> Any:
+    if not path:
+        return number
+    first, *rest = path
+    items = list(value)
+    items[first] = _put(items[first], rest, number)
+    return tuple(items)
