@@ -342,3 +342,51 @@ def test_a_shape_that_keeps_coming_gets_its_own_plan(monkeypatch: pytest.MonkeyP
     for _ in range(REPLAN_AFTER + 2):
         model(torch.randn(2, 3, 30, 30)).sum().backward()
     assert len(planned) == 2 and "[2, 3, 32, 32]" in autockpt.plan_of(model).input_signature
+
+
+def _pricing(model: nn.Module) -> list[pipeline.ShapePricing]:
+    return [p for f in _state(model).families.values() for p in f.pricing.values()]
+
+
+@pytest.mark.parametrize("kind", ["export", "fx"])
+def test_later_shapes_are_priced_by_evaluating_one_symbolic_profile(kind: str) -> None:
+    """NOTE [ Pricing every shape of a shared graph ] in autockpt/pipeline.py: the first plan
+    profiles, the second profiles on symbolic sizes, every later one evaluates; each step's
+    gradients equal the twin's and its measured peak is within the budget."""
+    torch.manual_seed(0)
+    if kind == "export":
+        net: nn.Module = Tokens()
+        loss, sizes = token_loss, [12, 17, 26, 37, 52, 71]  # each larger than every plan
+        make = lambda n, s: (torch.randint(0, 64, (4, n),  # noqa: E731
+                                           generator=torch.Generator().manual_seed(s)),)
+        base = autockpt.plan(net, make(71, 0), loss_fn=loss)
+    else:
+        net, loss, sizes = ConvNet(), image_loss, [12, 17, 26, 37, 52]
+        make = lambda n, s: (torch.randn(2, 3, n, n,  # noqa: E731
+                                         generator=torch.Generator().manual_seed(s)),)
+        base = autockpt.plan(net, make(52, 0), loss_fn=loss)
+    budget_bytes = base.baseline_peak_bytes * 6 // 10
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB, loss_fn=loss)
+    twin = copy.deepcopy(net)
+    for step, size in enumerate(sizes):
+        inputs = make(size, step)
+        got = train_step(model, loss, inputs, seed=step)
+        want = train_step(twin, loss, inputs, seed=step)
+        assert_same_step(got, want, what=f"step {step} size {size}: ")
+        peak = autockpt.measure(model, inputs, loss_fn=loss).peak_activation_bytes
+        assert peak <= budget_bytes * 1.05, (size, peak, budget_bytes)
+    (pricing,) = _pricing(model)
+    assert pricing.failed is None
+    assert (pricing.plans, pricing.profiled, pricing.symbolic) == (len(sizes), 1, 1)
+    assert pricing.evaluated == len(sizes) - 2
+
+
+def test_a_batch_of_one_gets_a_symbolic_profile_of_its_own() -> None:
+    """A symbolic size stands for sizes of 2 or more (torch fixes 0 and 1, which broadcast):
+    a batch of one is profiled on symbolic sizes again, with the batch fixed at 1, and the
+    next batch of one is an evaluation of that."""
+    model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
+    for batch, side in [(2, 16), (2, 24), (2, 40), (1, 48), (1, 56)]:
+        model(torch.randn(batch, 3, side, side)).sum().backward()
+    (pricing,) = _pricing(model)
+    assert (pricing.profiled, pricing.symbolic, pricing.evaluated) == (1, 2, 2)

@@ -28,8 +28,9 @@ they were equal, now different).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,6 +39,7 @@ import torch
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.utils._sympy.printers import PythonPrinter
 
 from autockpt.profiling.stats import Profile
 
@@ -75,6 +77,8 @@ class SymbolicInputs:
         self._position = {id(t): i for i, t in enumerate(order)}
         self.shapes: Shapes = tuple(tuple(int(s) for s in t.shape) for t in order)
         self._symbols: dict[int, torch.SymInt] = {}
+        self.symbols: dict[str, tuple[sympy.Symbol, int]] = {}
+        """Each symbol made, by name, with the size it stands for here."""
         self.bindings: list[tuple[int, int, str]] = []
 
     def _size(self, size: int) -> Any:
@@ -86,6 +90,7 @@ class SymbolicInputs:
             symbol = self.shape_env.create_symbol(size, source, dynamic_dim=DimDynamic.DYNAMIC)
             found = self._symbols[size] = self.shape_env.create_symintnode(
                 symbol, hint=size, source=source)
+            self.symbols[str(symbol)] = (symbol, size)
         return found
 
     def fake(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -152,11 +157,12 @@ class ShapeFormula:
         env = symbolic.shape_env
         self._template = template
         self._expressions = expressions
-        self._slots = slots
+        self._owners = _owners(slots)
         self._extras = extras
         self.symbols: tuple[str, ...] = tuple(sorted({name for _, _, name in symbolic.bindings}))
-        self._symbol_of = {name: sympy.Symbol(name, integer=True, positive=True)
-                           for name in self.symbols}
+        # The ShapeEnv's own symbols: a symbol made here with other assumptions would not be
+        # the same to sympy.
+        self._symbol_of = {name: symbolic.symbols[name][0] for name in self.symbols}
         bound = {(t, d): name for t, d, name in symbolic.bindings}
         self._bindings = tuple(symbolic.bindings)
         # Every size not bound to a symbol must be what it was.
@@ -169,27 +175,36 @@ class ShapeFormula:
             checks.append(sympy.Eq(symbol, value))
         self._checks = tuple(checks)
         self.guard_count = len(checks)
+        self._compiled = _compiled(self.symbols, self._symbol_of, self._checks, expressions,
+                                   {name: symbolic.symbols[name][1] for name in self.symbols})
 
     def at(self, shapes: Shapes, input_signature: str) -> Profile | None:
         """The profile at ``shapes`` (the call's tensors' shapes, in the order of
         :class:`SymbolicInputs`), or ``None`` where the profile taken does not hold there."""
-        values = self._bind(shapes)
-        if values is None:
+        numbers = self._numbers(shapes)
+        if numbers is None:
             return None
-        mapping = {self._symbol_of[name]: sympy.Integer(v) for name, v in values.items()}
-        for check in self._checks:
-            if check.xreplace(mapping) is not sympy.true:
-                return None
-        numbers = [int(e.xreplace(mapping)) for e in self._expressions]
-        return _rebuilt(self._template, self._slots, numbers, input_signature)
+        return _rebuilt(self._template, self._owners, numbers, input_signature)
 
     def extra(self, name: str, shapes: Shapes) -> int | None:
         """A named expression recorded with the profile (``"rows"``), at ``shapes``."""
-        values = self._bind(shapes)
-        if values is None or name not in self._extras:
+        numbers = self._numbers(shapes)
+        if numbers is None or name not in self._extras:
             return None
-        mapping = {self._symbol_of[n]: sympy.Integer(v) for n, v in values.items()}
-        return int(self._expressions[self._extras[name]].xreplace(mapping))
+        return numbers[self._extras[name]]
+
+    def _numbers(self, shapes: Shapes) -> list[int] | None:
+        """Every expression at ``shapes``, or None where a guard fails."""
+        values = self._bind(shapes)
+        if values is None:
+            return None
+        if self._compiled is not None:
+            holds, numbers = self._compiled(*(values[name] for name in self.symbols))
+            return list(numbers) if all(holds) else None
+        mapping = {self._symbol_of[name]: sympy.Integer(v) for name, v in values.items()}
+        if any(check.xreplace(mapping) is not sympy.true for check in self._checks):
+            return None
+        return [int(e.xreplace(mapping)) for e in self._expressions]
 
     def _bind(self, shapes: Shapes) -> dict[str, int] | None:
         if tuple(len(dims) for dims in shapes) != self._ranks:
@@ -250,36 +265,46 @@ def formula_of(template: Profile, symbolic: SymbolicInputs,
     return ShapeFormula(plain, symbolic, expressions, slots, named)
 
 
-def _rebuilt(template: Profile, slots: list[_Slot], numbers: list[int],
-             input_signature: str) -> Profile:
-    """``template`` with each slot's number put in, each object that holds one rebuilt
-    once."""
-    by_owner: dict[tuple[Any, ...], list[tuple[tuple[Any, ...], int]]] = {}
+Owners = dict[tuple[Any, ...], list[tuple[tuple[Any, ...], int]]]
+"""Per object of a profile that holds symbolic numbers (``("nodes", 3)``, ``("loss",)``),
+the field path and expression index of each."""
+
+
+def _owners(slots: list[_Slot]) -> Owners:
+    by_owner: Owners = {}
     for slot in slots:
         size = 1 if slot.path[0] == "loss" else 2
-        by_owner.setdefault(slot.path[:size], []).append(
-            (slot.path[size:], numbers[slot.expression]))
+        by_owner.setdefault(slot.path[:size], []).append((slot.path[size:], slot.expression))
+    return by_owner
+
+
+def _rebuilt(template: Profile, owners: Owners, numbers: list[int],
+             input_signature: str) -> Profile:
+    """``template`` with each expression's number put in, each object that holds one rebuilt
+    once."""
     nodes = list(template.nodes)
     storages = list(template.storages)
     loss = template.loss
-    for owner, puts in by_owner.items():
+    for owner, puts in owners.items():
         if owner[0] == "nodes":
-            nodes[owner[1]] = _filled(nodes[owner[1]], puts)
+            nodes[owner[1]] = _filled(nodes[owner[1]], puts, numbers)
         elif owner[0] == "storages":
-            storages[owner[1]] = _filled(storages[owner[1]], puts)
+            storages[owner[1]] = _filled(storages[owner[1]], puts, numbers)
         else:
-            loss = _filled(loss, puts)
+            loss = _filled(loss, puts, numbers)
     return replace(template, nodes=tuple(nodes), storages=tuple(storages), loss=loss,
                    input_signature=input_signature)
 
 
-def _filled(obj: Any, puts: list[tuple[tuple[Any, ...], int]]) -> Any:
-    """``obj`` (a dataclass) with the number of each ``(path, number)`` at its field path."""
-    fields: dict[str, Any] = {}
-    for path, value in puts:
+def _filled(obj: Any, puts: list[tuple[tuple[Any, ...], int]], numbers: list[int]) -> Any:
+    """``obj`` (a frozen dataclass) with the number of each ``(path, expression)`` at its
+    field path. A shallow copy with its fields set: ``dataclasses.replace`` runs ``__init__``,
+    several times slower, for hundreds of objects per shape."""
+    new = copy.copy(obj)
+    for path, expression in puts:
         name, *rest = path
-        fields[name] = _put(fields.get(name, getattr(obj, name)), rest, value)
-    return replace(obj, **fields)
+        object.__setattr__(new, name, _put(getattr(new, name), rest, numbers[expression]))
+    return new
 
 
 def _put(value: Any, path: Sequence[Any], number: int) -> Any:
@@ -289,3 +314,29 @@ def _put(value: Any, path: Sequence[Any], number: int) -> Any:
     items = list(value)
     items[first] = _put(items[first], rest, number)
     return tuple(items)
+
+
+def _compiled(symbols: Sequence[str], symbol_of: dict[str, sympy.Symbol],
+              checks: Sequence[sympy.Basic], expressions: Sequence[sympy.Expr],
+              hints: dict[str, int]) -> Callable[..., Any] | None:
+    """One Python function of the symbols' values that returns every check's truth and
+    every expression's value, printed by torch's printer of sizes; ``None`` where an
+    expression does not print, or the function disagrees with sympy at the profiled sizes
+    (then :meth:`ShapeFormula.at` substitutes with sympy, several times slower)."""
+    printer = PythonPrinter()
+    try:
+        checks_text = "".join(printer.doprint(c) + ", " for c in checks)
+        values_text = "".join(printer.doprint(e) + ", " for e in expressions)
+        source = (f"def _evaluate({', '.join(symbols)}):\n"
+                  f"    return ({checks_text}), ({values_text})\n")
+        scope: dict[str, Any] = {}
+        exec(compile(source, "<autockpt shape formula>", "exec"), scope)  # noqa: S102
+        function = scope["_evaluate"]
+        mapping = {symbol_of[n]: sympy.Integer(v) for n, v in hints.items()}
+        holds, numbers = function(*(hints[n] for n in symbols))
+        if list(holds) != [c.xreplace(mapping) is sympy.true for c in checks] or \
+                list(numbers) != [int(e.xreplace(mapping)) for e in expressions]:
+            return None
+        return function
+    except Exception:  # noqa: BLE001 - any expression the printer does not know
+        return None

@@ -82,3 +82,41 @@ def test_padded_batches_are_captured_once_and_keep_the_budget(name: str) -> None
     families = model.__dict__["_autockpt"].families.values()
     assert sum(len(f.graphs) for f in families) == 1
     assert sum(len(f.plans) for f in families) < len(set(LENGTHS))
+
+
+def test_longer_batches_are_priced_by_evaluating_one_symbolic_profile() -> None:
+    """GPT-2 with its head in chunks, each batch longer than every plan: the first plan
+    profiles, the second profiles on symbolic sizes (the head whole and in chunks), every
+    later one evaluates both (NOTE [ Pricing every shape of a shared graph ] in
+    autockpt/pipeline.py); gradients equal the twin's, and the budget holds."""
+    net, _ = _model("gpt2")
+    lengths = [20, 27, 36, 48, 64]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = autockpt.plan(net, example_kwargs=_batch(64, 0, 512, False))
+    budget_bytes = base.baseline_peak_bytes // 2
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB)
+    twin = copy.deepcopy(net).train()
+    for step, length in enumerate(lengths):
+        batch = _batch(length, step + 1, 512, False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(step)
+            model(**batch).loss.backward()
+            torch.manual_seed(step)
+            twin(**batch).loss.backward()
+        assert_same_tensors(grads_of(model), grads_of(twin), what=f"length {length} grad ",
+                            allow_none=True)
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peak = loop_peak_bytes(model, batch, hold=True)
+        assert peak <= budget_bytes * 1.05, (length, peak / MIB, budget_bytes / MIB)
+    plan = autockpt.plan_of(model)
+    assert plan.chunked_head is not None
+    (family,) = model.__dict__["_autockpt"].families.values()
+    (pricing,) = family.pricing.values()
+    assert pricing.failed is None and pricing.symbolic == 2  # the head whole and in chunks
+    assert pricing.evaluated >= 2 * (len(lengths) - 2) - 1
+    assert any(chunks is not None for chunks in pricing.formulas)
