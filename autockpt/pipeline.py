@@ -350,17 +350,25 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 # NOTE [ Pricing every shape of a shared graph ]
 # A transformed module plans each bucket of shapes on one shared graph (NOTE [ Buckets of
-# shapes ] in autockpt/planning/buckets.py). The graph's first plan is profiled as any: a run
-# of one shape pays nothing more. From the second on, the graph is profiled once on symbolic
-# sizes (NOTE [ One profile for every shape ] in autockpt/profiling/symbolic.py), a few times
-# dearer than one profile, and every later shape where that profile's guards hold is priced by
-# evaluating it: milliseconds instead of a profile. The head in chunks has its formulas per
-# chunk count, on one chunked graph per count that runs at every shape (NOTE [ A chunked head
-# for every shape ] in autockpt/running/head.py). Where no formula holds (a size the guards
-# exclude) the shape is profiled symbolically again, up to SYMBOLIC_PROFILES times per graph,
-# then per shape as before; a symbolic profile that fails (an op that cannot take symbolic
-# sizes) turns the graph back to one profile per shape.
+# shapes ] in autockpt/planning/buckets.py). A profile on symbolic sizes (NOTE [ One profile
+# for every shape ] in autockpt/profiling/symbolic.py) prices every later shape where its
+# guards hold by evaluation, milliseconds instead of a profile, but it costs about eight
+# profiles of one shape (3 s against 0.35 s for a 6-layer GPT-2 and its head in chunks on one
+# CPU thread): a loop that meets few buckets (most short loops: two to four plans for the
+# loops of benchmarks/shapes.py) would pay more for it than it saves. So, as a skier rents
+# until renting has cost what buying would, a graph's first SYMBOLIC_AFTER plans are
+# profiled at their shapes, as before, and the next one on symbolic sizes; from then on a new
+# shape costs an evaluation and a search. The plans are the same either way (an evaluation
+# equals the profile), only the time differs. The head in chunks has its formulas per chunk
+# count, on one chunked graph per count that runs at every shape (NOTE [ A chunked head for
+# every shape ] in autockpt/running/head.py). Where no formula holds (a size the guards
+# exclude, a batch of one) the shape is profiled symbolically again, up to SYMBOLIC_PROFILES
+# times per graph, then per shape; a symbolic profile that fails (an op that cannot take
+# symbolic sizes) turns the graph back to one profile per shape.
 
+SYMBOLIC_AFTER = 4
+"""Plans of a graph profiled at their own shapes before one is profiled on symbolic sizes
+(NOTE [ Pricing every shape of a shared graph ])."""
 SYMBOLIC_PROFILES = 4
 """The most symbolic profiles of one graph (NOTE [ Pricing every shape of a shared graph ])."""
 
@@ -389,7 +397,8 @@ class ShapePricing:
         """Why a symbolic profile failed, if one did: the graph is profiled per shape."""
 
     def may_profile_symbolically(self) -> bool:
-        return self.failed is None and self.plans > 0 and self.symbolic < SYMBOLIC_PROFILES
+        return (self.failed is None and self.plans >= SYMBOLIC_AFTER
+                and self.symbolic < SYMBOLIC_PROFILES)
 
 
 class _Pricing:

@@ -28,6 +28,11 @@ made, and whether every loss of the loop equals that of ``none``.
 
     python benchmarks/shapes.py                   # all three loops
     python benchmarks/shapes.py --loops gpt2 --repeat 1 --json out.json
+    python benchmarks/shapes.py --new-shapes 24   # what a plan for a new shape costs
+
+``--new-shapes N`` runs each loop and N more batches of fresh shapes on autockpt alone and
+reports, for the plans made once the graph's profile is known (evaluations of the profile
+taken on symbolic sizes), their planning time against the median step that planned nothing.
 
 Timings on a shared machine are noisy: compare the ratios of one run.
 """
@@ -276,13 +281,104 @@ def bench(name: str, repeat: int) -> list[dict[str, Any]]:
     return rows
 
 
+def new_shape_cost(name: str, extra: int, seed: int = 7) -> dict[str, Any]:
+    """What the first batch of a new shape costs once the graph's profile is known (issue 40,
+    item 6): the loop's batches, then ``extra`` more of fresh shapes (lengths or image sizes
+    drawn as the loop draws them), on autockpt alone; per step its seconds and the seconds
+    autockpt spent planning in it. A step that planned is compared with the median step
+    that did not."""
+    from autockpt import pipeline
+
+    base, batches, loss_fn, _, _ = LOOPS[name]()
+    more = (padded_batches(extra, 4, 8192, 32, 256, seed) if name == "gpt2" else
+            padded_batches(extra, 8, 8192, 32, 256, seed, masked_lm=True) if name == "bert"
+            else image_batches(extra, 8, seed))
+    budget_mb = max(peaks(every_block(base, LOOPS[name]()[3]), batches, loss_fn)) / MIB
+    model = autockpt.apply(copy.deepcopy(base), budget_mb=budget_mb, loss_fn=loss_fn)
+    kinds: list[str] = []
+    real = pipeline._Pricing.profile
+
+    def noted(self: Any, *args: Any) -> Any:
+        before = (self.pricing.profiled, self.pricing.symbolic, self.pricing.evaluated)
+        out = real(self, *args)
+        after = (self.pricing.profiled, self.pricing.symbolic, self.pricing.evaluated)
+        kinds.append(("profiled", "symbolic", "evaluated")[
+            [a != b for a, b in zip(before, after)].index(True)])
+        return out
+
+    rows = []
+    pipeline._Pricing.profile = noted  # type: ignore[method-assign]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for args, kwargs in batches + more:
+                kinds.clear()
+                with PlanningClock() as clock:
+                    start = time.perf_counter()
+                    step(model, (args, kwargs), loss_fn)
+                    seconds = time.perf_counter() - start
+                shape = tuple(tuple(t.shape) for t in (*args, *kwargs.values()))[0]
+                rows.append({"shape": shape, "step_s": seconds, "planning_s": clock.seconds,
+                             "profiles": sorted(set(kinds))})
+    finally:
+        pipeline._Pricing.profile = real  # type: ignore[method-assign]
+    plain = statistics.median(r["step_s"] for r in rows if r["planning_s"] == 0)
+    later = [r for r in rows if r["profiles"] == ["evaluated"]]
+    # The first batch of each shape after the graph's symbolic profile: what it paid beyond
+    # a batch of a known shape (nothing where a larger plan stands in for its bucket).
+    symbolic_at = next((i for i, r in enumerate(rows) if "symbolic" in r["profiles"]), len(rows))
+    seen: set[Any] = {r["shape"] for r in rows[:symbolic_at + 1]}
+    first_of_shape = []
+    for r in rows[symbolic_at + 1:]:
+        if r["shape"] not in seen:
+            seen.add(r["shape"])
+            first_of_shape.append(r["planning_s"] / plain)
+    return {
+        "loop": name, "steps": len(rows), "known_step_s": round(plain, 4),
+        "plans": sum(1 for r in rows if r["planning_s"] > 0),
+        "profiled": sum(1 for r in rows if "profiled" in r["profiles"]),
+        "symbolic": sum(1 for r in rows if "symbolic" in r["profiles"]),
+        "evaluated_plans": len(later),
+        "evaluated_plan_ms": [round(r["planning_s"] * 1000, 1) for r in later],
+        "evaluated_plan_vs_step": (round(statistics.median(r["planning_s"] for r in later)
+                                         / plain, 3) if later else None),
+        "new_shapes_after": len(first_of_shape),
+        "new_shape_extra_median": (round(statistics.median(first_of_shape), 3)
+                                   if first_of_shape else None),
+        "new_shape_extra_max": round(max(first_of_shape), 3) if first_of_shape else None,
+        "first_plans_s": [round(r["planning_s"], 2) for r in rows
+                          if r["planning_s"] > 0 and r["profiles"] != ["evaluated"]],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=list(LOOPS))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--new-shapes", type=int, default=0, metavar="N",
+                        help="instead: run each loop and N more batches of fresh shapes on "
+                        "autockpt alone, and say what a plan for a new shape costs once the "
+                        "graph's profile is known")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.new_shapes:
+        found = [new_shape_cost(loop, args.new_shapes) for loop in args.loops]
+        print(f"{'loop':5} {'steps':>5} {'known step s':>12} {'plans':>5} {'profiled':>8} "
+              f"{'symbolic':>8} {'evaluated':>9} {'evaluated plan / step':>21} "
+              f"{'new shapes':>10} {'extra median':>12} {'extra max':>9}  first plans s")
+        for r in found:
+            ratio = r["evaluated_plan_vs_step"]
+            median, most = r["new_shape_extra_median"], r["new_shape_extra_max"]
+            print(f"{r['loop']:5} {r['steps']:>5} {r['known_step_s']:>12.3f} {r['plans']:>5} "
+                  f"{r['profiled']:>8} {r['symbolic']:>8} {r['evaluated_plans']:>9} "
+                  f"{'' if ratio is None else f'{ratio:.3f}':>21} "
+                  f"{r['new_shapes_after']:>10} {'' if median is None else f'{median:.3f}':>12} "
+                  f"{'' if most is None else f'{most:.3f}':>9}  {r['first_plans_s']}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(found, fh, indent=1)
+        return
     rows = [row for loop in args.loops for row in bench(loop, args.repeat)]
     header = (f"{'loop':5} {'method':12} {'batches':>7} {'shapes':>6} {'loop s':>7} "
               f"{'x every block':>13} {'planning s':>10} {'max peak MiB':>12} {'x budget':>8} "

@@ -349,10 +349,13 @@ def _pricing(model: nn.Module) -> list[pipeline.ShapePricing]:
 
 
 @pytest.mark.parametrize("kind", ["export", "fx"])
-def test_later_shapes_are_priced_by_evaluating_one_symbolic_profile(kind: str) -> None:
-    """NOTE [ Pricing every shape of a shared graph ] in autockpt/pipeline.py: the first plan
-    profiles, the second profiles on symbolic sizes, every later one evaluates; each step's
-    gradients equal the twin's and its measured peak is within the budget."""
+def test_later_shapes_are_priced_by_evaluating_one_symbolic_profile(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Pricing every shape of a shared graph ] in autockpt/pipeline.py: with one plan
+    profiled at its shape before the symbolic profile, the second plan profiles on symbolic
+    sizes and every later one evaluates; each step's gradients equal the twin's and its
+    measured peak is within the budget."""
+    monkeypatch.setattr(pipeline, "SYMBOLIC_AFTER", 1)
     torch.manual_seed(0)
     if kind == "export":
         net: nn.Module = Tokens()
@@ -381,12 +384,28 @@ def test_later_shapes_are_priced_by_evaluating_one_symbolic_profile(kind: str) -
     assert pricing.evaluated == len(sizes) - 2
 
 
-def test_a_batch_of_one_gets_a_symbolic_profile_of_its_own() -> None:
+def test_a_batch_of_one_gets_a_symbolic_profile_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A symbolic size stands for sizes of 2 or more (torch fixes 0 and 1, which broadcast):
     a batch of one is profiled on symbolic sizes again, with the batch fixed at 1, and the
     next batch of one is an evaluation of that."""
+    monkeypatch.setattr(pipeline, "SYMBOLIC_AFTER", 1)
     model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
     for batch, side in [(2, 16), (2, 24), (2, 40), (1, 48), (1, 56)]:
         model(torch.randn(batch, 3, side, side)).sum().backward()
     (pricing,) = _pricing(model)
     assert (pricing.profiled, pricing.symbolic, pricing.evaluated) == (1, 2, 2)
+
+
+def test_a_loop_of_few_plans_never_profiles_symbolically() -> None:
+    """Until SYMBOLIC_AFTER plans, every plan is profiled at its shape (a symbolic profile
+    costs several): then the symbolic one, and evaluations after it."""
+    model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
+    sides = [12, 16, 20, 26, 32, 40, 48, 56]  # each larger than every plan
+    for step, side in enumerate(sides):
+        model(torch.randn(2, 3, side, side)).sum().backward()
+        (pricing,) = _pricing(model)
+        if step < pipeline.SYMBOLIC_AFTER:
+            assert (pricing.profiled, pricing.symbolic) == (step + 1, 0)
+    assert (pricing.profiled, pricing.symbolic) == (pipeline.SYMBOLIC_AFTER, 1)
+    assert pricing.evaluated == len(sides) - pipeline.SYMBOLIC_AFTER - 1

@@ -9,7 +9,8 @@ times per node when ``cost="profile"``.
 
 Modules: ``profile`` (one forward on fake tensors, watched), ``shape_rules`` (outputs made
 without running the op), ``loss`` (the user's loss and the model's own), ``timing`` (measured
-node times), ``stats`` (the profile's dataclasses), ``blocks`` (the modules rung's profile).
+node times), ``stats`` (the profile's dataclasses), ``blocks`` (the modules rung's profile),
+``symbolic`` (the profile taken on symbolic sizes, evaluated at every shape).
 """
 
 from autockpt.profiling.stats import LossStat, NodeStat, Profile, StorageStat

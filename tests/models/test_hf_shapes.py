@@ -84,11 +84,15 @@ def test_padded_batches_are_captured_once_and_keep_the_budget(name: str) -> None
     assert sum(len(f.plans) for f in families) < len(set(LENGTHS))
 
 
-def test_longer_batches_are_priced_by_evaluating_one_symbolic_profile() -> None:
+def test_longer_batches_are_priced_by_evaluating_one_symbolic_profile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """GPT-2 with its head in chunks, each batch longer than every plan: the first plan
     profiles, the second profiles on symbolic sizes (the head whole and in chunks), every
     later one evaluates both (NOTE [ Pricing every shape of a shared graph ] in
     autockpt/pipeline.py); gradients equal the twin's, and the budget holds."""
+    from autockpt import pipeline
+
+    monkeypatch.setattr(pipeline, "SYMBOLIC_AFTER", 1)
     net, _ = _model("gpt2")
     lengths = [20, 27, 36, 48, 64]
     with warnings.catch_warnings():
