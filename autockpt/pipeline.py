@@ -411,6 +411,8 @@ class _Pricing:
         self.shapes = tensor_shapes(arguments)
         self.symbolic: SymbolicInputs | None = None
         self.plain: ShapeFormula | None = None
+        self.note: str | None = None
+        """How the last profile was had, where it was not a profile of the call's shape."""
 
     def profile(self, traced: TracedModel, inputs: dict[str, Any], loss_fn: LossFn | None,
                 share: ProfileShare | None, chunks: int | None) -> Profile:
@@ -422,6 +424,8 @@ class _Pricing:
             found = formula.at(self.shapes, description)
             if found is not None:
                 pricing.evaluated += 1
+                self.note = ("priced by evaluating the profile taken on symbolic sizes: no "
+                             "profile ran for this shape (docs/shapes.md)")
                 if chunks is None:
                     self.plain = formula
                 return found
@@ -446,6 +450,8 @@ class _Pricing:
             else:
                 pricing.symbolic += 1
                 if found is not None:
+                    self.note = ("profiled on symbolic sizes: later shapes are priced by "
+                                 "evaluating this profile (docs/shapes.md)")
                     self.symbolic = symbolic
                     pricing.formulas.setdefault(chunks, []).append(formula)
                     if chunks is None:
@@ -453,6 +459,7 @@ class _Pricing:
                         pricing.stretches[id(formula)] = stretch
                     return found
         pricing.profiled += 1
+        self.note = None
         return profile(traced, inputs, loss_fn=loss_fn, share=share)
 
     def stretch(self, traced: TracedModel) -> RowStretch | None:
@@ -608,8 +615,9 @@ def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
             plan = _planned(module, traced, inputs, stats, config, budget_bytes)
     except InfeasibleBudgetError as err:
         return None, err, stats
+    priced_note = () if priced is None or priced.note is None else (priced.note,)
     plan = replace(plan, graph_fingerprint=graph_fingerprint(traced.graph),
-                   notes=(*traced.notes, *plan.notes),
+                   notes=(*traced.notes, *plan.notes, *priced_note),
                    capture=traced.capture, capture_reason=traced.capture_reason,
                    cost_model=config.cost, device=device, kept_whole=config.keep_whole,
                    chunked_head=head,

@@ -382,6 +382,8 @@ def test_later_shapes_are_priced_by_evaluating_one_symbolic_profile(
     assert pricing.failed is None
     assert (pricing.plans, pricing.profiled, pricing.symbolic) == (len(sizes), 1, 1)
     assert pricing.evaluated == len(sizes) - 2
+    assert "priced by evaluating the profile taken on symbolic sizes" in str(
+        autockpt.plan_of(model))
 
 
 def test_a_batch_of_one_gets_a_symbolic_profile_of_its_own(

@@ -74,7 +74,10 @@ class SymbolicInputs:
         # Parameters and buffers keep their sizes: only the inputs are made symbolic.
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=self.shape_env,
                                         static_shapes=True)
-        self._position = {id(t): i for i, t in enumerate(order)}
+        self._positions: dict[int, list[int]] = {}
+        for i, t in enumerate(order):
+            self._positions.setdefault(id(t), []).append(i)
+        self._made: dict[int, torch.Tensor] = {}
         self.shapes: Shapes = tuple(tuple(int(s) for s in t.shape) for t in order)
         self._symbols: dict[int, torch.SymInt] = {}
         self.symbols: dict[str, tuple[sympy.Symbol, int]] = {}
@@ -96,20 +99,24 @@ class SymbolicInputs:
     def fake(self, tensor: torch.Tensor) -> torch.Tensor:
         """A fake copy of ``tensor`` with symbolic sizes where it is one of the call's tensors
         (a plain fake copy otherwise)."""
-        position = self._position.get(id(tensor))
-        if position is None or tensor.layout != torch.strided:
+        positions = self._positions.get(id(tensor))
+        if positions is None or tensor.layout != torch.strided:
             return self.fake_mode.from_tensor(tensor)
+        if id(tensor) in self._made:  # one tensor passed twice (labels=input_ids) stays one
+            return self._made[id(tensor)]
         sizes = [self._size(int(s)) for s in tensor.shape]
         for dim, size in enumerate(sizes):
             if isinstance(size, torch.SymInt):
-                self.bindings.append((position, dim, str(size.node.expr)))
+                self.bindings.extend((p, dim, str(size.node.expr)) for p in positions)
         with self.fake_mode:
             if tensor.is_contiguous():
                 fake = torch.empty(sizes, dtype=tensor.dtype, device=tensor.device)
             else:
                 fake = torch.empty_strided(sizes, _strides(tensor, sizes), dtype=tensor.dtype,
                                            device=tensor.device)
-        return fake.requires_grad_(tensor.requires_grad)
+        fake = fake.requires_grad_(tensor.requires_grad)
+        self._made[id(tensor)] = fake
+        return fake
 
 
 def _strides(tensor: torch.Tensor, sizes: list[Any]) -> list[Any]:
