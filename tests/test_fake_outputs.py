@@ -153,6 +153,22 @@ def test_flops_are_counted_for_a_remembered_op() -> None:
     assert memo.hits == 2
 
 
+def test_an_op_first_run_without_a_tally_is_counted_by_a_later_profile() -> None:
+    """The replay watches ops without counting FLOPs: what it remembered must not give a later
+    profile 0 FLOPs for the same op (it did, for a module a profile met after a replay)."""
+    memo = FakeOutputs()
+    with FakeTensorMode():
+        a, b = torch.empty(4, 8), torch.empty(8, 16)
+        with OpWatch(OpObserver(), memo=memo):  # as the replay watches
+            torch.mm(a, b)
+        tally = FlopTally()
+        with OpWatch(OpObserver(), flops=tally, memo=memo):  # as the profile watches
+            torch.mm(a, b)
+            torch.mm(a, b)
+    assert tally.total == 2 * (2 * 4 * 8 * 16)
+    assert memo.hits == 1  # the second counted run, from the first counted one
+
+
 def _profiled(case: ZooCase) -> tuple[Any, Any, Any]:
     model = case.build().train()
     args, kwargs = case.inputs()

@@ -155,14 +155,17 @@ class FakeOutputs:
         return known
 
     def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-            call: Callable[[], tuple[Any, int]]) -> tuple[Any, int, bool]:
+            call: Callable[[], tuple[Any, int]], counted: bool = True
+            ) -> tuple[Any, int, bool]:
         """The outputs of ``func(*args, **kwargs)``, the FLOPs counted for them, and whether
         they came from the memo; ``call`` runs the op where they do not, and returns its
-        outputs and the FLOPs it counted."""
+        outputs and the FLOPs it counted (``counted``: whether it counts them; a run that
+        does not, the replay's, is remembered apart, or a profile would take its 0 FLOPs)."""
         if not self.enabled or not isinstance(func, torch._ops.OpOverload) \
                 or not self._remembers(func):
             return (*call(), False)
-        parts: list[Any] = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
+        parts: list[Any] = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled(),
+                            counted]
         fakes: list[FakeTensor] = []
         try:
             _key_of(args, parts, fakes)

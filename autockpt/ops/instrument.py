@@ -490,7 +490,8 @@ class OpWatch(TorchDispatchMode):
         else:
             # Before the rules: a remembered op costs less than most rules.
             out, flops, remembered = self._memo.run(
-                func, args, op.kwargs, lambda: self._run(func, args, op.kwargs, rule))
+                func, args, op.kwargs, lambda: self._run(func, args, op.kwargs, rule),
+                counted=self.flops is not None)
             if remembered and self.flops is not None:
                 self.flops.total += flops
         self.observer.after_op(op, out)
