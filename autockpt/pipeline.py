@@ -353,20 +353,25 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 # shapes ] in autockpt/planning/buckets.py). A profile on symbolic sizes (NOTE [ One profile
 # for every shape ] in autockpt/profiling/symbolic.py) prices every later shape where its
 # guards hold by evaluation, milliseconds instead of a profile, but it costs about eight
-# profiles of one shape (3 s against 0.35 s for a 6-layer GPT-2 and its head in chunks on one
-# CPU thread): a loop that meets few buckets (most short loops: two to four plans for the
-# loops of benchmarks/shapes.py) would pay more for it than it saves. So, as a skier rents
-# until renting has cost what buying would, a graph's first SYMBOLIC_AFTER plans are
-# profiled at their shapes, as before, and the next one on symbolic sizes; from then on a new
-# shape costs an evaluation and a search. The plans are the same either way (an evaluation
-# equals the profile), only the time differs. The head in chunks has its formulas per chunk
-# count, on one chunked graph per count that runs at every shape (NOTE [ A chunked head for
-# every shape ] in autockpt/running/head.py). Where no formula holds (a size the guards
-# exclude, a batch of one) the shape is profiled symbolically again, up to SYMBOLIC_PROFILES
-# times per graph, then per shape; a symbolic profile that fails (an op that cannot take
-# symbolic sizes) turns the graph back to one profile per shape.
+# profiles of one shape (3.3 s against 0.4 s for a 6-layer GPT-2 and its head in chunks on
+# one CPU thread): a run that meets few buckets would pay more for it than it saves, and most
+# do (the loops of benchmarks/shapes.py make two to five plans in 12 to 36 batches of one
+# varying length or image side). So, as a skier rents until renting has cost what buying
+# would, a graph's first SYMBOLIC_AFTER plans are profiled at their shapes, as before, and
+# the next one on symbolic sizes: a run pays at most about twice the least planning time it
+# could have had, and one whose shapes keep coming (two sizes varying: rows and length,
+# height and width) pays an evaluation and a search per new plan from then on. The plans are
+# the same either way (an evaluation equals the profile); only the time differs.
+#
+# The head in chunks has its formulas per chunk count, on one chunked graph per count that
+# runs at every shape (NOTE [ A chunked head for every shape ] in autockpt/running/head.py);
+# a new shape takes a count that has a formula where one is near the count it would choose.
+# Where no formula holds (a size the guards exclude, a batch of one) the shape is profiled
+# symbolically again, up to SYMBOLIC_PROFILES times per graph, then per shape; a symbolic
+# profile that fails (an op that cannot take symbolic sizes) turns the graph back to one
+# profile per shape.
 
-SYMBOLIC_AFTER = 4
+SYMBOLIC_AFTER = 8
 """Plans of a graph profiled at their own shapes before one is profiled on symbolic sizes
 (NOTE [ Pricing every shape of a shared graph ])."""
 SYMBOLIC_PROFILES = 4
@@ -429,8 +434,12 @@ class _Pricing:
                 if chunks is None:
                     self.plain = formula
                 return found
-        if pricing.may_profile_symbolically():
-            # The head in chunks resumes the run of the head whole, on its symbols.
+        # The head in chunks is profiled on symbolic sizes where that resumes the symbolic run
+        # of the head whole, or where it has no formula yet; another chunk count met later is
+        # profiled at its shape (a symbolic run from the start costs about ten of those).
+        chunked_known = any(count is not None for count in pricing.formulas)
+        if pricing.may_profile_symbolically() and (
+                chunks is None or self.symbolic is not None or not chunked_known):
             symbolic = self.symbolic if chunks is not None and self.symbolic is not None \
                 else SymbolicInputs(tensors_in(self.arguments))
             try:
@@ -474,11 +483,12 @@ class _Pricing:
 
     def head(self, stretch: RowStretch) -> ChunkedHead:
         """How to chunk the head at the call's rows: in as many chunks as a formula of the
-        graph has, where one is within a factor of two of :func:`chunked_head`'s count (its
-        profile is then an evaluation), else in that count."""
+        graph has, where one is within a factor of four of :func:`chunked_head`'s count (its
+        profile is then an evaluation, which prices the chunks' memory exactly), else in that
+        count."""
         ideal = chunked_head(stretch)
         known = [c for c in self.pricing.formulas if c is not None
-                 and ideal.chunks <= 2 * c and c <= 2 * ideal.chunks and c <= stretch.rows]
+                 and ideal.chunks <= 4 * c and c <= 4 * ideal.chunks and c <= stretch.rows]
         if not known:
             return ideal
         chunks = min(known, key=lambda c: (abs(c - ideal.chunks), c))

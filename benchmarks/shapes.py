@@ -30,9 +30,11 @@ made, and whether every loss of the loop equals that of ``none``.
     python benchmarks/shapes.py --loops gpt2 --repeat 1 --json out.json
     python benchmarks/shapes.py --new-shapes 24   # what a plan for a new shape costs
 
-``--new-shapes N`` runs each loop and N more batches of fresh shapes on autockpt alone and
-reports, for the plans made once the graph's profile is known (evaluations of the profile
-taken on symbolic sizes), their planning time against the median step that planned nothing.
+``--new-shapes N`` runs each loop and then N more batches whose shapes keep coming (rows per
+batch drawn too, as a sampler that fills a token budget draws them; images of two sides) on
+autockpt alone, and reports, for the plans made once the graph's profile is known
+(evaluations of the profile taken on symbolic sizes), their planning time against the median
+step that planned nothing, and what the first batch of each new shape paid.
 
 Timings on a shared machine are noisy: compare the ratios of one run.
 """
@@ -67,38 +69,43 @@ Loop = tuple[torch.nn.Module, list[Batch], Callable[..., Any] | None, str,
 block by hand (``"hf"``: Hugging Face's switch), and the largest shape (``max_shapes=``)."""
 
 
-def padded_batches(count: int, batch: int, vocab: int, lowest: int, highest: int, seed: int,
-                   masked_lm: bool = False) -> list[Batch]:
+def padded_batches(count: int, batch: int | tuple[int, ...], vocab: int, lowest: int,
+                   highest: int, seed: int, masked_lm: bool = False) -> list[Batch]:
     """Batches as a padding collator makes them: each row its own length, padded to the
-    longest row of its batch."""
+    longest row of its batch (``batch``: the rows, or the choices a sampler that fills a
+    budget of tokens draws them from)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
-        lengths = [rng.randint(lowest, highest) for _ in range(batch)]
+        rows = batch if isinstance(batch, int) else rng.choice(batch)
+        lengths = [rng.randint(lowest, highest) for _ in range(rows)]
         width = max(lengths)
-        ids = torch.randint(1, vocab, (batch, width), generator=gen)
-        mask = torch.zeros(batch, width, dtype=torch.long)
+        ids = torch.randint(1, vocab, (rows, width), generator=gen)
+        mask = torch.zeros(rows, width, dtype=torch.long)
         for row, length in enumerate(lengths):
             mask[row, :length] = 1
         ids = ids * mask
         labels = ids.masked_fill(mask == 0, -100)
         if masked_lm:
-            chosen = (torch.rand(batch, width, generator=gen) < 0.15) & (mask == 1)
+            chosen = (torch.rand(rows, width, generator=gen) < 0.15) & (mask == 1)
             labels = ids.masked_fill(~chosen, -100)
             ids = ids.masked_fill(chosen, 3)
         out.append(((), {"input_ids": ids, "attention_mask": mask, "labels": labels}))
     return out
 
 
-def image_batches(count: int, batch: int, seed: int) -> list[Batch]:
+def image_batches(count: int, batch: int, seed: int, aspect: bool = False) -> list[Batch]:
+    """Multi-scale training: a side per batch (``aspect``: a height and a width each, as
+    detection's aspect-ratio grouping makes them)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     sizes = [160, 192, 224, 256, 288, 320]
     out = []
     for _ in range(count):
-        side = rng.choice(sizes)
-        out.append(((torch.randn(batch, 3, side, side, generator=gen),), {}))
+        height = rng.choice(sizes)
+        width = rng.choice(sizes) if aspect else height
+        out.append(((torch.randn(batch, 3, height, width, generator=gen),), {}))
     return out
 
 
@@ -290,9 +297,11 @@ def new_shape_cost(name: str, extra: int, seed: int = 7) -> dict[str, Any]:
     from autockpt import pipeline
 
     base, batches, loss_fn, _, _ = LOOPS[name]()
-    more = (padded_batches(extra, 4, 8192, 32, 256, seed) if name == "gpt2" else
-            padded_batches(extra, 8, 8192, 32, 256, seed, masked_lm=True) if name == "bert"
-            else image_batches(extra, 8, seed))
+    # Shapes that keep coming: rows drawn per batch too (a sampler filling a token budget),
+    # images of two sides (aspect-ratio grouping).
+    more = (padded_batches(extra, (2, 3, 4, 6, 8), 8192, 32, 256, seed) if name == "gpt2" else
+            padded_batches(extra, (4, 6, 8, 12), 8192, 32, 256, seed, masked_lm=True)
+            if name == "bert" else image_batches(extra, 8, seed, aspect=True))
     budget_mb = max(peaks(every_block(base, LOOPS[name]()[3]), batches, loss_fn)) / MIB
     model = autockpt.apply(copy.deepcopy(base), budget_mb=budget_mb, loss_fn=loss_fn)
     kinds: list[str] = []

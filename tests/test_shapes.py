@@ -403,7 +403,9 @@ def test_a_loop_of_few_plans_never_profiles_symbolically() -> None:
     """Until SYMBOLIC_AFTER plans, every plan is profiled at its shape (a symbolic profile
     costs several): then the symbolic one, and evaluations after it."""
     model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
-    sides = [12, 16, 20, 26, 32, 40, 48, 56]  # each larger than every plan
+    # Each larger than every plan's bucket: a plan each.
+    sides = [10, 13, 17, 22, 29, 38, 49, 64, 83, 108, 140, 180][:pipeline.SYMBOLIC_AFTER + 3]
+    assert len(sides) == pipeline.SYMBOLIC_AFTER + 3
     for step, side in enumerate(sides):
         model(torch.randn(2, 3, side, side)).sum().backward()
         (pricing,) = _pricing(model)
