@@ -413,3 +413,46 @@ def test_a_loop_of_few_plans_never_profiles_symbolically() -> None:
             assert (pricing.profiled, pricing.symbolic) == (step + 1, 0)
     assert (pricing.profiled, pricing.symbolic) == (pipeline.SYMBOLIC_AFTER, 1)
     assert pricing.evaluated == len(sides) - pipeline.SYMBOLIC_AFTER - 1
+
+
+class _ValueGate(nn.Module):
+    """Branches on a value: torch.fx keeps it whole, and the profile runs it for real on
+    stand-ins of its inputs (NOTE [ Leaves that need real values ] in
+    autockpt/profiling/profile.py), which symbolic sizes cannot make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.lin(x).relu()
+        return self.lin(x)
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.gate, self.b = nn.Linear(16, 16), _ValueGate(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.gate(self.a(x).relu()))
+
+
+def test_a_graph_whose_symbolic_profile_fails_is_profiled_per_shape(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pipeline, "SYMBOLIC_AFTER", 1)
+    torch.manual_seed(0)
+    net = _Gated()
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=None, loss_fn=token_loss)
+    twin = copy.deepcopy(net)
+    lengths = [8, 12, 20, 33]
+    for step, length in enumerate(lengths):
+        x = torch.randn(4, length, 16, generator=torch.Generator().manual_seed(step))
+        got = train_step(model, token_loss, (x,), seed=step)
+        want = train_step(twin, token_loss, (x,), seed=step)
+        assert_same_step(got, want, what=f"length {length}: ")
+    (pricing,) = _pricing(model)
+    assert pricing.failed is not None  # why, in torch's words
+    assert (pricing.profiled, pricing.symbolic, pricing.evaluated) == (len(lengths), 0, 0)
+    assert autockpt.plan_of(model).capture == "fx-leaves"
