@@ -384,9 +384,7 @@ def main() -> None:
                   f"{'' if ratio is None else f'{ratio:.3f}':>21} "
                   f"{r['new_shapes_after']:>10} {'' if median is None else f'{median:.3f}':>12} "
                   f"{'' if most is None else f'{most:.3f}':>9}  {r['first_plans_s']}")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(found, fh, indent=1)
+        _dump(args.json, found)
         return
     rows = [row for loop in args.loops for row in bench(loop, args.repeat)]
     header = (f"{'loop':5} {'method':12} {'batches':>7} {'shapes':>6} {'loop s':>7} "
@@ -400,8 +398,12 @@ def main() -> None:
               f"{r['peak_vs_budget']:>8.3f} {r['plans'] if r['plans'] is not None else '':>5} "
               f"{r['captures'] if r['captures'] is not None else '':>8} "
               f"{'equal' if r['losses_equal'] else 'DIFFER':>6}")
-    if args.json:
-        with open(args.json, "w") as fh:
+    _dump(args.json, rows)
+
+
+def _dump(path: str | None, rows: list[dict[str, Any]]) -> None:
+    if path:
+        with open(path, "w") as fh:
             json.dump(rows, fh, indent=1)
 
 

@@ -48,6 +48,28 @@ def _model(name: str) -> tuple[torch.nn.Module, bool]:
     return transformers.BertForMaskedLM(config), True
 
 
+def _step_against_twin(model: torch.nn.Module, twin: torch.nn.Module, batch: dict[str, Any],
+                       step: int, budget_bytes: int, what: str) -> None:
+    """One step of each on ``batch``, the model's own loss held through backward: equal
+    losses and gradients, and the model's measured peak within the budget."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPT-2 trains with use_cache=True: said once
+        torch.manual_seed(step)
+        outputs = model(**batch)
+        outputs.loss.backward()
+        torch.manual_seed(step)
+        expected = twin(**batch)
+        expected.loss.backward()
+    torch.testing.assert_close(outputs.loss, expected.loss)
+    assert_same_tensors(grads_of(model), grads_of(twin), what=f"{what} grad ", allow_none=True)
+    model.zero_grad(set_to_none=True)
+    twin.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peak = loop_peak_bytes(model, batch, hold=True)
+    assert peak <= budget_bytes * 1.05, (what, peak / MIB, budget_bytes / MIB)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_padded_batches_are_captured_once_and_keep_the_budget(name: str) -> None:
     net, masked_lm = _model(name)
@@ -60,24 +82,8 @@ def test_padded_batches_are_captured_once_and_keep_the_budget(name: str) -> None
     twin = copy.deepcopy(net).train()
     model.train()
     for step, length in enumerate(LENGTHS):
-        batch = _batch(length, step + 1, 512, masked_lm)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # GPT-2 trains with use_cache=True: said once
-            torch.manual_seed(step)
-            outputs = model(**batch)
-            outputs.loss.backward()
-            torch.manual_seed(step)
-            expected = twin(**batch)
-            expected.loss.backward()
-        torch.testing.assert_close(outputs.loss, expected.loss)
-        assert_same_tensors(grads_of(model), grads_of(twin), what=f"length {length} grad ",
-                            allow_none=True)
-        model.zero_grad(set_to_none=True)
-        twin.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            peak = loop_peak_bytes(model, batch, hold=True)
-        assert peak <= budget_bytes * 1.05, (length, peak / MIB, budget_bytes / MIB)
+        _step_against_twin(model, twin, _batch(length, step + 1, 512, masked_lm), step,
+                           budget_bytes, f"length {length}")
         assert autockpt.plan_of(model).capture == "export"
     families = model.__dict__["_autockpt"].families.values()
     assert sum(len(f.graphs) for f in families) == 1
@@ -102,21 +108,8 @@ def test_longer_batches_are_priced_by_evaluating_one_symbolic_profile(
     model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB)
     twin = copy.deepcopy(net).train()
     for step, length in enumerate(lengths):
-        batch = _batch(length, step + 1, 512, False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.manual_seed(step)
-            model(**batch).loss.backward()
-            torch.manual_seed(step)
-            twin(**batch).loss.backward()
-        assert_same_tensors(grads_of(model), grads_of(twin), what=f"length {length} grad ",
-                            allow_none=True)
-        model.zero_grad(set_to_none=True)
-        twin.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            peak = loop_peak_bytes(model, batch, hold=True)
-        assert peak <= budget_bytes * 1.05, (length, peak / MIB, budget_bytes / MIB)
+        _step_against_twin(model, twin, _batch(length, step + 1, 512, False), step,
+                           budget_bytes, f"length {length}")
     plan = autockpt.plan_of(model)
     assert plan.chunked_head is not None
     (family,) = model.__dict__["_autockpt"].families.values()
