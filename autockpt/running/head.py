@@ -31,7 +31,8 @@ from torch import nn
 from autockpt.capturing.meta import autocast_enabled
 from autockpt.capturing.trace import TracedModel
 from autockpt.errors import AutockptError
-from autockpt.planning.head import LINEAR_OPS, RowShapes, is_one_of, loss_operands, node_argument
+from autockpt.planning.head import (LINEAR_OPS, MIN_CHUNK_ROWS, RowShapes, is_one_of,
+                                    loss_operands, node_argument)
 from autockpt.profiling.stats import ChunkedHead, RowStretch
 from autockpt.units import format_names
 
@@ -294,6 +295,19 @@ class ChunkedRows:
         return (target != stretch.ignore_index).sum()
 
 
+# NOTE [ A chunked head for every shape ]
+# One program serves every shape its plan covers (NOTE [ Buckets of shapes ] in
+# autockpt/planning/buckets.py), so the loop over chunks cannot bake in the rows of the shape
+# it was planned at. It keeps the plan's chunk count and takes the rows per chunk from the
+# call: ceil(rows / chunks), but never fewer than the plan's own rows per chunk or
+# MIN_CHUNK_ROWS, whichever is less (a small batch run by a plan for the largest one would
+# otherwise run many tiny chunks, each reading the whole projection). At the planned shape
+# that is the plan's chunking exactly; at a smaller one, chunks no larger than the plan's,
+# so no more memory. A fixed count also lets the profile on symbolic sizes run the loop
+# without fixing the rows (NOTE [ One profile for every shape ] in
+# autockpt/profiling/symbolic.py): the comparisons of rows with chunk bounds become guards.
+
+
 class _ChunkedRowsFunction(torch.autograd.Function):
     """Forward computes the loss and, chunk by chunk, its gradients; backward scales them by
     the gradient of the loss (NOTE [ Gradients in forward ])."""
@@ -316,9 +330,9 @@ class _ChunkedRowsFunction(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * len(externals)
         into: dict[str, torch.Tensor] = {}
         total: torch.Tensor | None = None
-        # NOTE [ A chunked head for every shape ]: the chunk count is the plan's, the rows
-        # per chunk follow from the call's rows, so that one program serves every shape.
-        step = -(-rows // runner.head.chunks)
+        # NOTE [ A chunked head for every shape ]
+        step = max(-(-rows // runner.head.chunks),
+                   min(runner.head.chunk_rows, MIN_CHUNK_ROWS))
         for index in range(runner.head.chunks):
             start = index * step
             if start >= rows:
