@@ -494,6 +494,22 @@ class _Pricing:
         chunks = min(known, key=lambda c: (abs(c - ideal.chunks), c))
         return replace(ideal, chunks=chunks, chunk_rows=-(-stretch.rows // chunks))
 
+    def price_chunked(self, traced: TracedModel, stretch: RowStretch, inputs: dict[str, Any],
+                      loss_fn: LossFn | None, share: ProfileShare | None) -> None:
+        """Where this plan profiled the graph on symbolic sizes, profile the graph with its
+        head in chunks too, resuming that run, for the formula of later shapes (about a third
+        of a symbolic run of the chunked graph from the start)."""
+        if self.symbolic is None or share is None or \
+                not self.pricing.may_profile_symbolically():
+            return  # (else the profile below would be one at this shape, for nothing)
+        head = self.head(stretch)
+        if head.chunks in self.pricing.formulas:
+            return
+        try:
+            self.profile(self.chunked(traced, head), inputs, loss_fn, share, head.chunks)
+        except Exception:  # noqa: BLE001 - only a formula for later was at stake
+            pass
+
     def chunked(self, traced: TracedModel, head: ChunkedHead) -> TracedModel:
         """The graph with its head in ``head.chunks`` chunks, made once per chunk count."""
         graphs = self.pricing.chunked_graphs
@@ -556,6 +572,10 @@ def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
         if plain is None:
             assert plain_error is not None
             raise plain_error
+        if priced is not None and stretch is not None:
+            # Chunking does not pay at this shape; it may at a later one, whose profile is
+            # then an evaluation instead of a symbolic run from the start.
+            priced.price_chunked(traced, stretch, inputs, config.loss_fn, share)
         return plain
     members = set(stretch.nodes)
     forward_flops = sum(n.flops for n in stats.nodes if n.name in members)
