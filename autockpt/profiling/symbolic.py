@@ -182,6 +182,10 @@ class ShapeFormula:
             checks.append(sympy.Eq(symbol, value))
         self._checks = tuple(checks)
         self.guard_count = len(checks)
+        # A symbol no input size binds (an unbacked size, from a data-dependent op) cannot be
+        # evaluated: such a formula holds nowhere but where it was taken.
+        known = set(self._symbol_of.values())
+        self._usable = all(e.free_symbols <= known for e in (*checks, *expressions))
         self._compiled = _compiled(self.symbols, self._symbol_of, self._checks, expressions,
                                    {name: symbolic.symbols[name][1] for name in self.symbols})
 
@@ -202,7 +206,7 @@ class ShapeFormula:
 
     def _numbers(self, shapes: Shapes) -> list[int] | None:
         """Every expression at ``shapes``, or None where a guard fails."""
-        values = self._bind(shapes)
+        values = self._bind(shapes) if self._usable else None
         if values is None:
             return None
         if self._compiled is not None:
