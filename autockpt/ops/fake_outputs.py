@@ -30,9 +30,11 @@ It remembers only what that holds for, and runs the op otherwise:
 - other arguments must be plain Python values or torch's enums, keyed with their types (``1``
   and ``1.0`` give different dtypes), with the default dtype and inference mode.
 The FLOPs counted for the first run (:class:`autockpt.ops.instrument.FlopTally`) are remembered
-with the outputs, so a profile counts the same. The memo holds no tensor: a reference to one
-would keep its storage alive, which is what planning watches (a recursive closure, itself a
-reference cycle, did: the replay's peak grew by the tensors it held until the collector ran).
+with the outputs, so a profile counts the same; a run that counts none (the replay's) remembers
+none, and the first counting run after it runs the op to count them. The memo holds no tensor:
+a reference to one would keep its storage alive, which is what planning watches (a recursive
+closure, itself a reference cycle, did: the replay's peak grew by the tensors it held until the
+collector ran).
 tests/test_fake_outputs.py checks each case against the op, and that profiles and replays are
 the same with the memo as without.
 """
@@ -58,9 +60,9 @@ _DATA_DEPENDENT = frozenset({torch.Tag.dynamic_output_shape,
 # An output's metadata: shape, strides, dtype, device, and for a view the position of the
 # fake tensor argument whose storage it shares (else None) and its storage offset. A
 # remembered op: its outputs' container (tuple, list, or None for one tensor), their
-# metadata (None for an absent output) and the FLOPs counted for it.
+# metadata (None for an absent output) and the FLOPs counted for it (None: not counted).
 _Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int | None, int]
-_Entry = tuple[type | None, tuple[_Meta | None, ...], int]
+_Entry = tuple[type | None, tuple[_Meta | None, ...], int | None]
 
 
 class _Unkeyable(Exception):
@@ -159,13 +161,13 @@ class FakeOutputs:
             ) -> tuple[Any, int, bool]:
         """The outputs of ``func(*args, **kwargs)``, the FLOPs counted for them, and whether
         they came from the memo; ``call`` runs the op where they do not, and returns its
-        outputs and the FLOPs it counted (``counted``: whether it counts them; a run that
-        does not, the replay's, is remembered apart, or a profile would take its 0 FLOPs)."""
+        outputs and the FLOPs it counted (``counted``: whether it counts them; what a run that
+        does not, the replay's, remembers has no FLOPs, and a counting run runs the op once
+        more to count them)."""
         if not self.enabled or not isinstance(func, torch._ops.OpOverload) \
                 or not self._remembers(func):
             return (*call(), False)
-        parts: list[Any] = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled(),
-                            counted]
+        parts: list[Any] = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
         fakes: list[FakeTensor] = []
         try:
             _key_of(args, parts, fakes)
@@ -176,17 +178,17 @@ class FakeOutputs:
         entry = self._entries.get(key, False)
         if entry is None:
             return (*call(), False)
-        if entry is not False:
+        if entry is not False and (entry[2] is not None or not counted):
             self.hits += 1
-            return _made(fakes, entry), entry[2], True
+            return _made(fakes, entry), entry[2] or 0, True
         out, flops = call()
         if len(self._entries) >= MAX_ENTRIES:
             self._entries.clear()
-        self._entries[key] = _entry_of(out, fakes, flops)
+        self._entries[key] = _entry_of(out, fakes, flops if counted else None)
         return out, flops, False
 
 
-def _entry_of(out: Any, fakes: list[FakeTensor], flops: int) -> _Entry | None:
+def _entry_of(out: Any, fakes: list[FakeTensor], flops: int | None) -> _Entry | None:
     if not fakes:  # a factory: the mode to make its outputs in is not at hand
         return None
     seen: set[int] = set()
