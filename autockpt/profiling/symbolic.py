@@ -181,7 +181,8 @@ class ShapeFormula:
         for symbol, value in env.replacements.items():
             checks.append(sympy.Eq(symbol, value))
         self._checks = tuple(checks)
-        self.guard_count = len(checks)
+        # The last shapes evaluated: a plan asks for the profile, then the head's rows.
+        self._last: tuple[Shapes, list[int] | None] | None = None
         # A symbol no input size binds (an unbacked size, from a data-dependent op) cannot be
         # evaluated: such a formula holds nowhere but where it was taken.
         known = set(self._symbol_of.values())
@@ -206,6 +207,11 @@ class ShapeFormula:
 
     def _numbers(self, shapes: Shapes) -> list[int] | None:
         """Every expression at ``shapes``, or None where a guard fails."""
+        if self._last is None or self._last[0] != shapes:
+            self._last = (shapes, self._evaluated(shapes))
+        return self._last[1]
+
+    def _evaluated(self, shapes: Shapes) -> list[int] | None:
         values = self._bind(shapes) if self._usable else None
         if values is None:
             return None
