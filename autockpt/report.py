@@ -216,6 +216,10 @@ def plan_rows(plan: Plan) -> list[tuple[Segment, list[str]]]:
                 # Skip connections cross it: say how many tensors it keeps and hands on.
                 notes.append(f"{_count(seg.input_count, 'input')}, "
                              f"{_count(seg.output_count, 'output')}")
+            if seg.keeps:
+                notes.append(f"keeps {_count(seg.kept_ops, 'matmul/conv output')} "
+                             f"({format_bytes(seg.kept_bytes)}), recomputes "
+                             f"{_count(seg.recomputed_ops, 'other op')}")
             if seg.preserve_rng:
                 notes.append("rng replayed")
             if seg.buffers:

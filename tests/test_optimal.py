@@ -196,12 +196,12 @@ def test_least_plan_is_improved_under_its_own_estimate(mode: str) -> None:
         found = optimal_ranges(chain, None, mode)
         assert found is not None
         programme = estimate_peak(chain, found[0], mode)
-        tree, least = _optimal(chain, None, mode, False)
+        tree, least, _ = _optimal(chain, None, mode, False)
         assert tree is not None
         assert least == estimate_peak(chain, tuple((a, b) for a, b, _ in tree), mode)
         assert least <= programme
         lowered += least < programme
-        tree, reported = _optimal(chain, least, mode, False)
+        tree, reported, _ = _optimal(chain, least, mode, False)
         assert tree is not None and reported == least
         assert estimate_peak(chain, tuple((a, b) for a, b, _ in tree), mode) <= least
     assert lowered >= 1

@@ -149,7 +149,7 @@ def test_the_planner_reports_the_least_estimate_of_any_plan(mode: str) -> None:
     above, non-reentrant) and 114 (3.7%, reentrant)."""
     for seed in range(120):
         chain = _chain(seed)
-        tree, least = _optimal(chain, None, mode, False)
+        tree, least, _ = _optimal(chain, None, mode, False)
         assert tree is not None
         assert least == min(estimate_peak(chain, ranges, mode)
                             for ranges in all_ranges(chain)), seed
@@ -166,7 +166,7 @@ def test_the_planner_recomputes_least_under_a_budget(mode: str) -> None:
         scored = _scored(chain, mode)
         least = min(peak for peak, _ in scored)
         budget = (least + estimate_peak(chain, (), mode)) // 2
-        tree, _ = _optimal(chain, budget, mode, False)
+        tree, _, _ = _optimal(chain, budget, mode, False)
         assert tree is not None
         ranges = tuple((a, b) for a, b, _ in tree)
         assert estimate_peak(chain, ranges, mode) <= budget
@@ -189,7 +189,7 @@ def test_the_search_gives_up_past_its_limit_and_the_planner_keeps_its_descent(
     programme = optimal_ranges(chain, None, "non_reentrant")
     assert programme is not None
     descended = _descend(chain, programme[0], "non_reentrant")
-    tree, least = _optimal(chain, None, "non_reentrant", False)
+    tree, least, _ = _optimal(chain, None, "non_reentrant", False)
     assert tree is not None and tuple((a, b) for a, b, _ in tree) == descended
     assert least == estimate_peak(chain, descended, "non_reentrant")
 

@@ -8,7 +8,9 @@ diagnosis are observers); FLOP tallies, live-storage accounting, and
 :mod:`~autockpt.ops.fake_outputs`, the memo of fake ops' outputs from their first run.
 
 Modules: ``instrument`` (the watch, its observers' protocol, storages and FLOPs),
-``fake_outputs`` (outputs of ops on fake tensors remembered by their inputs' shapes).
+``fake_outputs`` (outputs of ops on fake tensors remembered by their inputs' shapes),
+``kept`` (the matmuls, convolutions and attention kernels a segment may keep, and torch's
+selective checkpoint policy that keeps them).
 """
 
 from autockpt.ops.instrument import Op, OpObserver, OpWatch

@@ -652,7 +652,8 @@ class FlopTally:
 
     def __init__(self) -> None:
         self.total = 0
-        self._formulas = flop_counter().flop_registry
+        self.formulas: Mapping[Any, Callable[..., Any]] = flop_counter().flop_registry
+        """torch's FLOP formulas by op packet, with ours for CPU attention."""
         self._decomposes: dict[Any, bool] = {}
 
     def _decomposable(self, func: torch._ops.OpOverload) -> bool:
@@ -670,7 +671,7 @@ class FlopTally:
         """``func(*args, **kwargs)``, its FLOPs added to :attr:`total`."""
         if not isinstance(func, torch._ops.OpOverload):
             return func(*args, **kwargs)
-        formula = self._formulas.get(func._overloadpacket)
+        formula = self.formulas.get(func._overloadpacket)
         if formula is None and self._decomposable(func):
             with flop_counter() as counter:
                 out = func.decompose(*args, **kwargs)

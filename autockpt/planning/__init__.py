@@ -2,7 +2,8 @@
 
 Takes: a :class:`~autockpt.profiling.stats.Profile` and a budget in bytes (or a device budget:
 the whole device less parameters, gradients and optimizer state).
-Hands on: a :class:`~autockpt.planning.planner.Plan`: the checkpointed segments, the estimated
+Hands on: a :class:`~autockpt.planning.planner.Plan`: the checkpointed segments (each
+recomputed whole, or keeping its matmuls' outputs and recomputing the rest), the estimated
 peak and the recompute, printable with one row per segment; and, for a language model's
 head, whether it runs in chunks (:mod:`autockpt.planning.head`). The planner sees sizes and
 costs, never fx objects or tensors, so it is tested on tables of data.

@@ -150,6 +150,18 @@ class Stage:
     frame keeps the gradients it was handed (NOTE [ Reentrant backward ] in
     :mod:`autockpt.planning.memory_model`). 0 where unknown: then those gradients are counted
     whole."""
+    kept_bytes: int = 0
+    """Bytes its nodes' matrix products, convolutions and attention make: what a segment
+    that keeps those outputs holds of this stage from its forward to its recompute (NOTE
+    [ Segments that keep their matmuls ] in :mod:`autockpt.planning.memory_model`)."""
+    kept_cost: int = 0
+    """The part of :attr:`cost` such a segment does not run again."""
+    kept_flops: int = 0
+    """The part of :attr:`flops` such a segment does not run again."""
+    kept_ops: int = 0
+    """How many of those ops its nodes run."""
+    aten_ops: int = 0
+    """How many ATen ops its nodes run, views aside."""
     first_backward_peak_bytes: int | None = None
     """``backward_peak_bytes`` when the stage is the first of a reentrant segment, whose
     inputs are leaves: with a copy of each input's gradient from where it arrives as the
@@ -742,6 +754,11 @@ def build_chain(profile: Profile, *, max_stages: int = MAX_STAGES,
             first_backward_peak_bytes=first_peak,
             recompute_buffer_bytes=sum(size for _, size in clones),
             recompute_backward_extra_bytes=recomputed_peak - backward_peak,
+            kept_bytes=sum(m.kept_bytes for m in members),
+            kept_cost=sum(_kept_cost(m, overhead.op_cost) for m in members),
+            kept_flops=sum(m.kept_flops for m in members),
+            kept_ops=sum(m.kept_ops for m in members),
+            aten_ops=sum(m.ops for m in members),
         ))
     return Chain(stages=tuple(stages),
                  cuts=tuple(Cut(saved_by_producer_bytes=by_producer[c],
@@ -768,6 +785,19 @@ def _recompute_cost(node: NodeStat, op_cost: int) -> int:
     """What running ``node`` again costs: its arithmetic, plus ``op_cost`` where it runs an
     op (NOTE [ What a segment costs beyond its FLOPs ] in :mod:`autockpt.planning.overhead`)."""
     return node_cost(node) + (op_cost if node.op in RUNS_AN_OP else 0)
+
+
+def _kept_cost(node: NodeStat, op_cost: int) -> int:
+    """The part of :func:`_recompute_cost` a segment that keeps its matmuls does not spend on
+    ``node``: the FLOPs of those ops and the bytes they write, or that share of its measured
+    time; the op cost too where they are all it computes."""
+    if not node.kept_ops:
+        return 0
+    if node.time_ns is not None:
+        return node.time_ns * node.kept_flops // max(node.flops, 1)
+    whole = node.kept_flops >= node.flops and node.ops <= node.kept_ops
+    return (min(node.kept_flops, node.flops) + min(node.kept_bytes, node.output_bytes)
+            + (op_cost if whole and node.op in RUNS_AN_OP else 0))
 
 
 def _shared_gradients(nodes: Sequence[NodeStat], stage_of: Sequence[int],

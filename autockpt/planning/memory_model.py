@@ -51,6 +51,35 @@ side of a cut saves a crossing tensor or how long a long-lived one lives, this w
 larger count, so it over-estimates rather than under-estimates
 (:meth:`MemoryModel.nested_backward`). Nested plans are priced in non-reentrant mode only
 (NOTE [ Where nesting pays ] in :mod:`autockpt.planning.nested`).
+
+# NOTE [ Segments that keep their matmuls ]
+A non-reentrant segment may keep the outputs of its matrix products, convolutions and
+attention kernels from its forward and recompute only the rest (NOTE [ Keep the expensive,
+recompute the cheap ] in :mod:`autockpt.ops.kept`); a set of segment starts, ``keeps``, beside
+the ranges says which do. Such a segment is priced as the same segment that keeps nothing,
+with three changes. In its forward, stage ``t`` holds on top the kept outputs of stages
+``a..t`` (all of ``t``'s own at its peak: an over-estimate inside the stage). After it the
+held bytes grow by all of its kept outputs, alive until its own recompute: every later stage
+and segment sees them. Its recompute and backward peak are the plain segment's: the
+recompute returns the kept tensors instead of making them again, so they are counted once,
+among the storages the recompute holds, and not among the held bytes. Its cost is the plain
+segment's less the cost of the kept ops its recompute would have run (what an early stop
+spares already, :attr:`~autockpt.planning.chain.Stage.tail_cost`, may be kept ops: it is not
+spared twice), plus the chain's op cost for each op it runs, twice watched by torch's
+selective checkpoint modes (NOTE [ What a segment costs beyond its FLOPs ] in
+:mod:`autockpt.planning.overhead`). The stage numbers do not see kept outputs that an
+early-stopped recompute never reaches, which stay in the cache until the segment's backward
+ends; tests/test_keep_matmuls_models.py holds the estimate to within 1% of the measured peak
+on a decoder. Reentrant segments take no selective policy: they keep nothing.
+
+The choice is one of two policies per segment, made by the same programmes, in the same
+objective, as the segments themselves, so it is exact for this model (tests compare it with
+a brute force over every plan and every choice). It is not the full choice per op: a segment
+never keeps some of its matmuls and recomputes others, nor keeps a cheap op's output (a
+norm's) while recomputing its neighbours. Those would make the choice a knapsack inside each
+segment, as torch.compile's memory budget solves it on its joint graph; two policies keep the
+programme's state what it was and cover the trade the field uses by hand (torchtitan's
+selective op policy, Megatron's selective recompute).
 """
 
 from __future__ import annotations
@@ -62,12 +91,19 @@ from typing import Any, NamedTuple
 
 from autockpt.planning.chain import Chain, LongLived, SharedGradient
 
-__all__ = ["Ranges", "Tree", "WalkKey", "START", "as_tree", "flatten_tree", "tree_depth",
-           "MemoryModel", "estimate_peak", "estimate_tree_peak", "model_of", "segment_cost",
-           "recompute_cost", "tree_cost"]
+__all__ = ["Ranges", "Keeps", "NO_KEEPS", "Tree", "WalkKey", "START", "as_tree", "flatten_tree",
+           "tree_depth", "MemoryModel", "estimate_peak", "estimate_tree_peak", "model_of",
+           "segment_cost", "recompute_cost", "tree_cost"]
 
 Ranges = tuple[tuple[int, int], ...]
 """Checkpointed segments as inclusive ``(first_stage, last_stage)`` pairs, sorted, disjoint."""
+
+Keeps = frozenset[int]
+"""The first stages of the checkpointed segments that keep their matmuls' outputs (NOTE
+[ Segments that keep their matmuls ])."""
+
+NO_KEEPS: Keeps = frozenset()
+"""No segment keeps anything."""
 
 Tree = tuple[tuple[int, int, "Tree"], ...]
 """Checkpointed stage ranges ``(first, last, inner)``, sorted and disjoint, where ``inner`` is
@@ -190,6 +226,12 @@ class MemoryModel:
         self._long_lived = _prefix([s.long_lived_bytes for s in stages])
         self._long_lived_saved = _prefix([s.long_lived_saved_bytes for s in stages])
         self._outputs = _prefix([s.output_bytes for s in stages])
+        # NOTE [ Segments that keep their matmuls ]
+        self._kept = _prefix([s.kept_bytes for s in stages])
+        self._kept_cost = _prefix([s.kept_cost for s in stages])
+        self._aten_ops = _prefix([s.aten_ops for s in stages])
+        self.keeps = not self.reentrant and self._kept[-1] > 0
+        """Whether a segment may keep its matmuls: non-reentrant, and some stage has some."""
         # NOTE [ Gradients in backward ]: inside a checkpointed segment that starts at ``a``,
         # stage ``t`` runs its backward with the segment's recomputed storages of stages
         # ``a..t-1`` still alive (each is freed when the op that saved it has run backward),
@@ -255,10 +297,10 @@ class MemoryModel:
         self._escaping: dict[tuple[int, int], tuple[int, ...]] = {}
         self._read: dict[tuple[int, int], tuple[int, ...]] = {}
         self._touched: dict[tuple[int, int], frozenset[int]] = {}
-        self._segment_static: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
+        self._segment_static: dict[tuple[int, int, bool, bool], tuple[Any, ...]] = {}
         self._escaped_cache: dict[tuple[int, int, frozenset[int]],
                                   tuple[int, tuple[tuple[int, int], ...]]] = {}
-        self._forward_cache: dict[tuple[int, int, bool], list[int]] = {}
+        self._forward_cache: dict[tuple[int, int, bool, bool], list[int]] = {}
         self._segment_cache: dict[tuple[int, int, bool], tuple[int, int]] = {}
         self._backward_max = [list(accumulate((backward[a + k] + copies[k]
                                                for k in range(self.count - a)), max))
@@ -301,10 +343,13 @@ class MemoryModel:
         fresh = cut.saved_by_reader_bytes + cut.saved_by_neither_bytes
         return fresh + (cut.producer_saved_bytes if follows_segment else 0)
 
-    def segment_forward(self, a: int, t: int, held: int, inputs: int) -> int:
+    def segment_forward(self, a: int, t: int, held: int, inputs: int, keep: bool = False
+                        ) -> int:
         """Forward peak of stage ``t`` inside a segment that starts at ``a`` (``inputs``:
-        :meth:`segment_inputs`)."""
+        :meth:`segment_inputs`); ``keep``: the segment keeps its matmuls."""
         stage = self.chain.stages[t]
+        if keep:
+            held += self._kept[t + 1] - self._kept[a]
         if t == a:
             return (held + self.chain.cuts[a].crossing_bytes + self._outputs[t]
                     + stage.forward.checkpointed_bytes + stage.passing_bytes)
@@ -508,28 +553,47 @@ class MemoryModel:
                 again[t - a] += x.size_bytes
         return again
 
-    def segments_from(self, a: int, follows_segment: bool
+    def segments_from(self, a: int, follows_segment: bool, keep: bool = False
                       ) -> Iterator[tuple[int, int, int, int, int]]:
         """Every segment starting at ``a``, shortest first, as long as its stages carry
         gradient, priced on nothing held: ``(last stage, recompute cost, peak, held bytes
         after it, lower bound of the peak)``; the peaks include the segment's forward and are
-        ``held +`` these for any ``held``. The lower bound never decreases along the way."""
+        ``held +`` these for any ``held``. The lower bound never decreases along the way.
+        ``keep``: segments that keep their matmuls (NOTE [ Segments that keep their
+        matmuls ])."""
         stages = self.chain.stages
         inputs = self.segment_inputs(a, follows_segment)
         forward = total = 0
         for b in range(a, self.count):
             if not stages[b].carries_grad:
                 return
-            forward = max(forward, self.segment_forward(a, b, 0, inputs))
+            forward = max(forward, self.segment_forward(a, b, 0, inputs, keep))
             total += stages[b].cost
             value, after, lower = self.segment(a, b, 0, inputs)
-            yield (b, self.chain.segment_cost + total
-                   - (0 if self.reentrant else min(total, stages[b].tail_cost)),
-                   max(value, forward), after, max(lower, forward))
+            if keep:
+                after += self._kept[b + 1] - self._kept[a]
+            yield (b, self.segment_cost(a, b, keep, total), max(value, forward), after,
+                   max(lower, forward))
 
-    def peak(self, tree: Tree) -> int:
+    def segment_cost(self, a: int, b: int, keep: bool = False, total: int | None = None
+                     ) -> int:
+        """What recomputing ``a..b`` costs (``total``: its stages' costs, where known);
+        ``keep``: it keeps its matmuls (NOTE [ Segments that keep their matmuls ])."""
+        stages = self.chain.stages
+        if total is None:
+            total = sum(stages[t].cost for t in range(a, b + 1))
+        spared = 0 if self.reentrant else min(total, stages[b].tail_cost)
+        cost = self.chain.segment_cost + total - spared
+        if keep:
+            kept = self._kept_cost[b + 1] - self._kept_cost[a]
+            cost += (self.chain.op_cost * (self._aten_ops[b + 1] - self._aten_ops[a])
+                     - max(0, kept - spared))
+        return cost
+
+    def peak(self, tree: Tree, keeps: Keeps = NO_KEEPS) -> int:
         """The estimated peak with ``tree`` checkpointed; a range with inner ranges is priced
-        by :meth:`nested_backward` (NOTE [ The nested memory model ])."""
+        by :meth:`nested_backward` (NOTE [ The nested memory model ]); the single-level
+        segments that start in ``keeps`` keep their matmuls."""
         starts = {a: (b, inner) for a, b, inner in tree}
         peak = held = 0
         follows_segment = False
@@ -538,9 +602,12 @@ class MemoryModel:
             if t in starts:
                 b, inner = starts[t]
                 inputs = self.segment_inputs(t, follows_segment)
+                keep = t in keeps and not inner
                 for u in range(t, b + 1):
-                    peak = max(peak, self.segment_forward(t, u, held, inputs))
+                    peak = max(peak, self.segment_forward(t, u, held, inputs, keep))
                 value, held, _ = self.segment(t, b, held, inputs)
+                if keep:
+                    held += self._kept[b + 1] - self._kept[t]
                 if inner:
                     value = self.nested_backward(t, b, inner, held + self.model_output_bytes)
                 follows_segment, t = True, b + 1
@@ -550,7 +617,7 @@ class MemoryModel:
             peak = max(peak, value)
         return peak
 
-    def plan_peak(self, ranges: Ranges) -> int:
+    def plan_peak(self, ranges: Ranges, keeps: Keeps = NO_KEEPS) -> int:
         """The estimated peak with the single-level ``ranges`` checkpointed, each long-lived
         and passing storage counted only while this plan holds it: never above
         :meth:`peak`, the price the dynamic programmes use (NOTE [ Storages held by the
@@ -568,7 +635,8 @@ class MemoryModel:
             else:
                 kept = frozenset(i for i in self.escaping(t, b)
                                  if _kept_by_a_segment(self.chain.long_lived[i], b, starts))
-                key, grown, value = self.walk_segment(key, t, b, kept)  # type: ignore[misc]
+                key, grown, value = self.walk_segment(  # type: ignore[misc]
+                    key, t, b, kept, keep=t in keeps)
                 t = b + 1
             peak = max(peak, held + value)
             held += grown
@@ -612,13 +680,14 @@ class MemoryModel:
             return None
         return following, after - later_bytes, value
 
-    def walk_segment(self, key: WalkKey, a: int, b: int, kept: frozenset[int] = frozenset()
-                     ) -> tuple[WalkKey, int, int] | None:
+    def walk_segment(self, key: WalkKey, a: int, b: int, kept: frozenset[int] = frozenset(),
+                     *, keep: bool = False) -> tuple[WalkKey, int, int] | None:
         """Stages ``a..b`` checkpointed, as :meth:`walk_plain`. ``kept`` (reentrant mode): the
         storages of :meth:`escaping` whose first holder after ``b`` is a checkpointed segment
         that reads them, a promise the key carries until a holder keeps or breaks it. None
-        where ``key`` promised the opposite for a storage the segment reads."""
-        static = self._static(a, b, key.follows_segment)
+        where ``key`` promised the opposite for a storage the segment reads. ``keep``: the
+        segment keeps its matmuls (NOTE [ Segments that keep their matmuls ])."""
+        static = self._static(a, b, key.follows_segment, keep)
         common = self._segment_walk(key, a, b, static)
         if common is None:
             return None
@@ -696,17 +765,19 @@ class MemoryModel:
         held_passing = held_passing + tuple(i for i in read if i not in held_passing)
         return rest, held, again, value, held_passing, tuple(sorted(resolved.items()))
 
-    def _static(self, a: int, b: int, follows: bool) -> tuple[Any, ...]:
+    def _static(self, a: int, b: int, follows: bool, keep: bool = False) -> tuple[Any, ...]:
         """What a walk of segment ``a..b`` needs whatever the key: the storages it touches,
         the passing ones it reads, its forward peaks on nothing held and their greatest, the
         storages escaping it and their bytes, and its peak and held bytes after it on nothing
         held."""
-        out = self._segment_static.get((a, b, follows))
+        out = self._segment_static.get((a, b, follows, keep))
         if out is None:
-            forward = self._forward0(a, b, follows)
+            forward = self._forward0(a, b, follows, keep)
             escaping = self.escaping(a, b)
             total0, after0 = self._segment0(a, b, follows, self.segment_inputs(a, follows))
-            out = self._segment_static[a, b, follows] = (
+            if keep:
+                after0 += self._kept[b + 1] - self._kept[a]
+            out = self._segment_static[a, b, follows, keep] = (
                 self._touched_by(a, b), self._passing_read(a, b), forward, max(forward),
                 escaping, sum(self.chain.long_lived[i].size_bytes for i in escaping),
                 total0, after0)
@@ -739,13 +810,13 @@ class MemoryModel:
                 i for i, x in enumerate(self.chain.long_lived) if _touches(x, a, b))
         return out
 
-    def _forward0(self, a: int, b: int, follows: bool) -> list[int]:
+    def _forward0(self, a: int, b: int, follows: bool, keep: bool = False) -> list[int]:
         """The forward peaks of stages ``a..b`` of a segment, on nothing held."""
-        out = self._forward_cache.get((a, b, follows))
+        out = self._forward_cache.get((a, b, follows, keep))
         if out is None:
             inputs = self.segment_inputs(a, follows)
-            out = self._forward_cache[a, b, follows] = [
-                self.segment_forward(a, u, 0, inputs) for u in range(a, b + 1)]
+            out = self._forward_cache[a, b, follows, keep] = [
+                self.segment_forward(a, u, 0, inputs, keep) for u in range(a, b + 1)]
         return out
 
     def _segment0(self, a: int, b: int, follows: bool, inputs: int) -> tuple[int, int]:
@@ -1159,9 +1230,11 @@ def _escaping_floor(inside: list[list[int]], made: Sequence[int]) -> list[list[i
 # checkpoint, once the cuts of NOTE [ Block boundaries under skip connections ] let its
 # layers be stages of their own.
 
-def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:
+def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant",
+                  keeps: Keeps = NO_KEEPS) -> int:
     """Estimated peak activation bytes of one forward and backward with ``ranges``
-    checkpointed. See NOTE [ The memory model ]; each long-lived and passing storage is
+    checkpointed, those starting in ``keeps`` keeping their matmuls (NOTE [ Segments that keep
+    their matmuls ]). See NOTE [ The memory model ]; each long-lived and passing storage is
     counted only where this plan holds it (NOTE [ Storages held by the plan ]), so this is
     at most what the dynamic programme prices the plan at (:meth:`MemoryModel.peak`).
 
@@ -1175,7 +1248,7 @@ def estimate_peak(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> 
         >>> estimate_peak(chain, ())   # 64 held + 8 output + 8 gradient + 16 working set
         96
     """
-    return model_of(chain, mode).plan_peak(ranges)
+    return model_of(chain, mode).plan_peak(ranges, keeps)
 
 
 def estimate_tree_peak(chain: Chain, tree: Tree) -> int:
@@ -1205,17 +1278,19 @@ def model_of(chain: Chain, mode: str) -> MemoryModel:
     return model
 
 
-def segment_cost(chain: Chain, a: int, b: int, mode: str = "non_reentrant") -> int:
+def segment_cost(chain: Chain, a: int, b: int, mode: str = "non_reentrant",
+                 keep: bool = False) -> int:
     """Cost of recomputing stages ``a..b`` as one segment (see NOTE [ A non-reentrant
-    recompute stops early ] in :mod:`autockpt.planning.chain`)."""
-    total = sum(chain.stages[t].cost for t in range(a, b + 1))
-    return chain.segment_cost + total - (
-        min(total, chain.stages[b].tail_cost) if mode == "non_reentrant" else 0)
+    recompute stops early ] in :mod:`autockpt.planning.chain`); ``keep``: it keeps its
+    matmuls (NOTE [ Segments that keep their matmuls ])."""
+    return model_of(chain, mode).segment_cost(a, b, keep)
 
 
-def recompute_cost(chain: Chain, ranges: Ranges, mode: str = "non_reentrant") -> int:
-    """Total cost of what ``ranges`` recompute."""
-    return sum(segment_cost(chain, a, b, mode) for a, b in ranges)
+def recompute_cost(chain: Chain, ranges: Ranges, mode: str = "non_reentrant",
+                   keeps: Keeps = NO_KEEPS) -> int:
+    """Total cost of what ``ranges`` recompute, those starting in ``keeps`` keeping their
+    matmuls."""
+    return sum(segment_cost(chain, a, b, mode, a in keeps) for a, b in ranges)
 
 
 def tree_cost(chain: Chain, tree: Tree) -> int:

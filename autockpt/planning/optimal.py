@@ -15,15 +15,25 @@ from bisect import bisect_left, bisect_right
 
 from autockpt.planning.chain import Chain
 from autockpt.planning.gc import paused
-from autockpt.planning.memory_model import MemoryModel, Ranges, as_tree, model_of, recompute_cost
+from autockpt.planning.memory_model import (
+    Keeps,
+    MemoryModel,
+    Ranges,
+    as_tree,
+    model_of,
+    recompute_cost,
+)
 
-__all__ = ["optimal_ranges", "least_peak", "RangePath", "path_ranges"]
+__all__ = ["optimal_ranges", "optimal_plan", "least_peak", "RangePath", "path_ranges",
+           "path_keeps"]
 
 _State = tuple[int, bool]
 """A state of the programme: ``(cut, whether the stage before it ends a segment)``."""
 
-RangePath = tuple[tuple[int, int], "RangePath | None"]
-"""Chosen blocks as a linked list of ``(block, parent)`` pairs, newest first, shared between
+RangePath = tuple[tuple[int, ...], "RangePath | None"]
+"""Chosen blocks as a linked list of ``(block, parent)`` pairs, newest first; a block is
+``(first, last)``, or ``(first, last, 1)`` for a segment that keeps its matmuls (NOTE
+[ Segments that keep their matmuls ] in :mod:`autockpt.planning.memory_model`). Shared between
 frontier entries; ``None`` is the empty list. Plain tuples, because the programme builds one
 per frontier entry it extends (millions on long chains) and a tuple is several times cheaper
 to create than an object."""
@@ -36,9 +46,19 @@ def path_ranges(path: RangePath | None) -> Ranges:
     """The blocks of ``path`` in graph order."""
     out = []
     while path is not None:
-        out.append(path[0])
+        out.append((path[0][0], path[0][1]))
         path = path[1]
     return tuple(reversed(out))
+
+
+def path_keeps(path: RangePath | None) -> Keeps:
+    """The first stages of the blocks of ``path`` that keep their matmuls."""
+    out = []
+    while path is not None:
+        if len(path[0]) > 2:
+            out.append(path[0][0])
+        path = path[1]
+    return frozenset(out)
 
 
 _HELD_SCORE = operator.itemgetter(0, 1)
@@ -58,6 +78,13 @@ def _pareto(entries: list[_Entry]) -> list[_Entry]:
 
 def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
                    ) -> tuple[Ranges, int] | None:
+    """:func:`optimal_plan` with no segment keeping its matmuls."""
+    found = optimal_plan(chain, budget, mode, keep=False)
+    return None if found is None else (found[0], found[2])
+
+
+def optimal_plan(chain: Chain, budget: int | None, mode: str = "non_reentrant", *,
+                 keep: bool = True) -> tuple[Ranges, Keeps, int] | None:
     """The checkpointed ranges of least recompute cost whose estimated peak fits ``budget``,
     and that peak; with ``budget=None``, those of least peak (then least cost). ``None`` if no
     choice fits.
@@ -66,8 +93,13 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
     checkpointed segment, and the bytes held so far; each state keeps the Pareto frontier of
     (held bytes, cost). The least peak itself (:func:`least_peak`) needs no frontier: every peak
     term is ``held + constant``, so a backward pass over the blocks finds it.
+
+    ``keep``: a segment may keep its matmuls (non-reentrant mode; NOTE [ Segments that keep
+    their matmuls ] in :mod:`autockpt.planning.memory_model`), one more choice per segment in
+    the same programme; the ranges come with the set of those that do.
     """
     model = model_of(chain, mode)
+    keep = keep and model.keeps
     rest = _least_suffix_peaks(model)
     if budget is None:
         budget = int(rest[(0, False)])  # the least peak, then the cheapest plan reaching it
@@ -80,10 +112,10 @@ def optimal_ranges(chain: Chain, budget: int | None, mode: str = "non_reentrant"
         # changes nothing else (it dominates no cheaper entry). Same result, far smaller
         # frontiers.
         bound = None
-        sketch = _solve_frontiers(model, rest, budget, width=_SKETCH_WIDTH)
+        sketch = _solve_frontiers(model, rest, budget, width=_SKETCH_WIDTH, keep=keep)
         if sketch is not None:
-            bound = recompute_cost(chain, sketch[0], mode)
-        return _solve_frontiers(model, rest, budget, bound=bound)
+            bound = recompute_cost(chain, sketch[0], mode, sketch[1])
+        return _solve_frontiers(model, rest, budget, bound=bound, keep=keep)
 
 
 def _least_suffix_peaks(model: MemoryModel) -> dict[_State, float]:
@@ -114,8 +146,8 @@ _SKETCH_WIDTH = 8
 
 
 def _solve_frontiers(model: MemoryModel, rest: dict[_State, float], limit: int, *,
-                     width: int | None = None, bound: int | None = None
-                     ) -> tuple[Ranges, int] | None:
+                     width: int | None = None, bound: int | None = None, keep: bool = False
+                     ) -> tuple[Ranges, Keeps, int] | None:
     """The dynamic programme under the budget ``limit``; ``rest`` is
     :func:`_least_suffix_peaks` of ``model``. ``width`` keeps at most that many entries per
     state (evenly spread over the frontier, a heuristic); ``bound`` drops entries whose cost
@@ -159,19 +191,21 @@ def _solve_frontiers(model: MemoryModel, rest: dict[_State, float], limit: int, 
             value0, after0 = model.plain_stage(i, follows_segment, 0)
             fit = entries[:bisect_right(helds, limit - value0)]
             push((i + 1, False), [(h + after0, sc, p) for h, sc, p in fit])
-            for b, cost, value0, after0, lower0 in model.segments_from(i, follows_segment):
-                if helds[0] + lower0 > limit:
-                    break  # the lower bound only grows with b: longer segments fail too
-                hi = bisect_right(helds, limit - value0)
-                lo = 0 if bound is None else bisect_left(negated, cost - bound)
-                fit = entries[lo:hi]
-                if fit:
-                    block = (i, b)
-                    push((b + 1, True), [(h + after0, sc + cost, (block, p))
-                                         for h, sc, p in fit])
+            for keeps in ((False, True) if keep else (False,)):
+                for b, cost, value0, after0, lower0 in model.segments_from(
+                        i, follows_segment, keeps):
+                    if helds[0] + lower0 > limit:
+                        break  # the lower bound only grows with b: longer segments fail too
+                    hi = bisect_right(helds, limit - value0)
+                    lo = 0 if bound is None else bisect_left(negated, cost - bound)
+                    fit = entries[lo:hi]
+                    if fit:
+                        block = (i, b, 1) if keeps else (i, b)
+                        push((b + 1, True), [(h + after0, sc + cost, (block, p))
+                                             for h, sc, p in fit])
     finals = frontier.get((count, False), []) + frontier.get((count, True), [])
     if not finals:
         return None
     _, _, path = min(finals, key=lambda e: (e[1], e[0]))
-    ranges = path_ranges(path)
-    return ranges, model.peak(as_tree(ranges))
+    ranges, keeps = path_ranges(path), path_keeps(path)
+    return ranges, keeps, model.peak(as_tree(ranges), keeps)

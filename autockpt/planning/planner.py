@@ -33,6 +33,8 @@ from autockpt.errors import InfeasibleBudgetError, InvalidArgumentError
 from autockpt.planning.budget import DeviceBudget
 from autockpt.planning.chain import Chain, build_chain
 from autockpt.planning.memory_model import (
+    NO_KEEPS,
+    Keeps,
     Ranges,
     Tree,
     as_tree,
@@ -43,9 +45,9 @@ from autockpt.planning.memory_model import (
     tree_depth,
 )
 from autockpt.planning.nested import nested_plans
-from autockpt.planning.optimal import least_peak, optimal_ranges
+from autockpt.planning.optimal import least_peak, optimal_plan, optimal_ranges
 from autockpt.planning.overhead import NO_OVERHEAD, Overhead
-from autockpt.planning.search import search_plan
+from autockpt.planning.search import search_kept, search_plan
 from autockpt.profiling.stats import LOSS_OP, ChunkedHead, LossStat, NodeStat, Profile
 from autockpt.report import format_plan
 
@@ -105,6 +107,16 @@ class Segment:
     (``boundary_bytes`` is their size). More than one where skip connections cross it."""
     output_count: int = 0
     """Storages made inside it that are read after it."""
+    keeps: bool = False
+    """Whether it keeps the outputs of its matrix products, convolutions and attention
+    kernels from its forward, and its recompute runs only its other ops (torch's selective
+    checkpoint; NOTE [ Keep the expensive, recompute the cheap ] in :mod:`autockpt.ops.kept`)."""
+    kept_ops: int = 0
+    """Where it keeps them: how many op outputs it keeps."""
+    kept_bytes: int = 0
+    """Where it keeps them: their bytes, held from its forward to its recompute."""
+    recomputed_ops: int = 0
+    """How many ATen ops (views aside) its recompute runs again (0 if not checkpointed)."""
 
 
 @dataclass(frozen=True)
@@ -376,42 +388,45 @@ def _least_estimate(chain: Chain, ranges: Ranges, mode: str) -> Ranges:
 # reentrant estimate still gets wrong ] in autockpt/planning/memory_model.py).
 
 
-Strategy = Callable[[Chain, "int | None", str, bool], "tuple[Tree | None, int]"]
+Strategy = Callable[[Chain, "int | None", str, bool], "tuple[Tree | None, int, Keeps]"]
 """``strategy(chain, budget_bytes, mode, nesting) -> (tree or None if the budget cannot be
-met, least peak the strategy reaches)``; ``budget_bytes=None`` asks for the least peak;
+met, least peak the strategy reaches, first stages of the segments that keep their
+matmuls)``; ``budget_bytes=None`` asks for the least peak;
 ``nesting`` says whether segments may be checkpointed again inside segments."""
 
 
 def _greedy(chain: Chain, budget: int | None, mode: str, nesting: bool
-            ) -> tuple[Tree | None, int]:
+            ) -> tuple[Tree | None, int, Keeps]:
     """Plans shaped like ``checkpoint_sequential`` for many segment counts, then a descent
     that trims or drops segments while the budget still holds."""
     scored = [(estimate_peak(chain, r, mode), recompute_cost(chain, r, mode), r)
               for r in _candidates(chain)]
     min_peak = min(peak for peak, _, _ in scored)
     if budget is None:
-        return as_tree(min(scored, key=lambda item: (item[0], item[1]))[2]), min_peak
+        return as_tree(min(scored, key=lambda item: (item[0], item[1]))[2]), min_peak, NO_KEEPS
     feasible = [item for item in scored if item[0] <= budget]
     if not feasible:
-        return None, min_peak
+        return None, min_peak, NO_KEEPS
     ranges = min(feasible, key=lambda item: (item[1], item[0]))[2]
-    return as_tree(_refine(chain, ranges, budget, mode)), min_peak
+    return as_tree(_refine(chain, ranges, budget, mode)), min_peak, NO_KEEPS
 
 
 def _sqrt(chain: Chain, budget: int | None, mode: str, nesting: bool
-          ) -> tuple[Tree | None, int]:
+          ) -> tuple[Tree | None, int, Keeps]:
     """Chen et al.'s rule: about sqrt(n) equal segments, the last one left alone."""
     grad_stages = sum(b - a + 1 for a, b in _grad_runs(chain))
     groups = _split_balanced(chain, max(1, round(math.sqrt(grad_stages))))
     ranges = tuple(groups[:-1]) if len(groups) > 1 else tuple(groups)
     peak = estimate_peak(chain, ranges, mode)
-    return (as_tree(ranges) if budget is None or peak <= budget else None), peak
+    return (as_tree(ranges) if budget is None or peak <= budget else None), peak, NO_KEEPS
 
 
 def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
-             ) -> tuple[Tree | None, int]:
-    """The least recompute under the budget, exactly for the price the dynamic programme over the
-    chain puts on a plan (:meth:`~autockpt.planning.memory_model.MemoryModel.peak`, never below the
+             ) -> tuple[Tree | None, int, Keeps]:
+    """The least recompute under the budget, each non-reentrant segment keeping its matmuls or
+    not (NOTE [ Segments that keep their matmuls ]), exactly for the price the dynamic programme
+    over the chain puts on a plan
+    (:meth:`~autockpt.planning.memory_model.MemoryModel.peak`, never below the
     plan's estimate); with no budget, its least-peak plan improved under the plan's estimate
     (:func:`_descend`); below the least peak of single-level plans, nested plans from the rotor
     programme (NOTE [ Where nesting pays ])."""
@@ -433,11 +448,12 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
         min_peak = estimate_peak(chain, least_ranges, mode)
     if budget is not None:
         if budget >= estimate_peak(chain, (), mode):
-            return (), min_peak  # met as it is: nothing to search
+            return (), min_peak, NO_KEEPS  # met as it is: nothing to search
+        keeps = NO_KEEPS
         if budget >= programme_least:
-            found = optimal_ranges(chain, budget, mode)
+            found = optimal_plan(chain, budget, mode)
             assert found is not None  # the least-peak plan fits
-            ranges = found[0]
+            ranges, keeps = found[0], found[1]
         elif budget >= min_peak:  # below the programme's least: only where they disagree
             ranges = least_ranges
         else:
@@ -445,23 +461,24 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool
         if ranges is not None:
             if not agree:
                 # A plan that recomputes less may fit under its own estimate.
-                exact = search_plan(chain, mode, budget=budget,
-                                    bound=recompute_cost(chain, ranges, mode))
-                ranges = exact[0] if exact is not None else ranges
-            return as_tree(ranges), min_peak
+                exact = search_kept(chain, mode, budget=budget,
+                                    bound=recompute_cost(chain, ranges, mode, keeps))
+                if exact is not None:
+                    ranges, keeps = exact[0], exact[1]
+            return as_tree(ranges), min_peak, keeps
     if not nesting or mode != "non_reentrant":
-        return (as_tree(least_ranges) if budget is None else None), min_peak
+        return (as_tree(least_ranges) if budget is None else None), min_peak, NO_KEEPS
     found_nested = [item for item in _nested_candidates(chain, min_peak)
                     if tree_depth(item[2]) > 1]
     reach = min([min_peak, *(peak for peak, _, _ in found_nested)])
     if budget is None:
         if reach == min_peak:
-            return as_tree(least_ranges), min_peak
-        return min(found_nested, key=lambda item: (item[0], item[1]))[2], reach
+            return as_tree(least_ranges), min_peak, NO_KEEPS
+        return min(found_nested, key=lambda item: (item[0], item[1]))[2], reach, NO_KEEPS
     fits = [item for item in found_nested if item[0] <= budget]
     if not fits:
-        return None, reach
-    return min(fits, key=lambda item: (item[1], item[0]))[2], reach
+        return None, reach, NO_KEEPS
+    return min(fits, key=lambda item: (item[1], item[0]))[2], reach, NO_KEEPS
 
 
 def _nested_candidates(chain: Chain, span: int) -> list[tuple[int, int, Tree]]:
@@ -528,9 +545,9 @@ def make_plan(
         raise InvalidArgumentError("the profile has no nodes to plan")
     chain = build_chain(profile, grad_accumulation=grad_accumulation, overhead=overhead)
     baseline = estimate_peak(chain, (), mode)
-    tree, min_peak = STRATEGIES[strategy](chain, budget_bytes, mode, nesting)
+    tree, min_peak, keeps = STRATEGIES[strategy](chain, budget_bytes, mode, nesting)
     if budget_bytes is not None and baseline <= budget_bytes and strategy != "sqrt":
-        tree = ()  # nothing to recompute when the budget is met as it is
+        tree, keeps = (), NO_KEEPS  # nothing to recompute when the budget is met as it is
     if tree is None:
         assert budget_bytes is not None
         raise InfeasibleBudgetError(
@@ -542,8 +559,8 @@ def make_plan(
     if tree_depth(tree) > 1:
         estimated = estimate_tree_peak(chain, tree)
     else:
-        estimated = estimate_peak(chain, tuple((a, b) for a, b, _ in tree), mode)
-    segments, skipped = _describe(profile, chain, tree, mode, budget_bytes)
+        estimated = estimate_peak(chain, tuple((a, b) for a, b, _ in tree), mode, keeps)
+    segments, skipped = _describe(profile, chain, tree, mode, budget_bytes, keeps)
     notes = []
     if tree_depth(tree) > 1:
         notes.append("segments numbered like 2.1 are checkpointed again inside the recompute "
@@ -578,10 +595,11 @@ def _mib(num_bytes: int) -> str:
 
 
 def _describe(
-    profile: Profile, chain: Chain, tree: Tree, mode: str, budget_bytes: int | None
+    profile: Profile, chain: Chain, tree: Tree, mode: str, budget_bytes: int | None,
+    keeps: Keeps = NO_KEEPS,
 ) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
-    """Turn a tree of stage ranges into Segment rows, and the stretches between the outermost
-    ones into skipped rows."""
+    """Turn a tree of stage ranges into Segment rows (those starting in ``keeps`` keeping
+    their matmuls), and the stretches between the outermost ones into skipped rows."""
     nodes = profile.nodes
     stages = chain.stages
     ranges = tuple((a, b) for a, b, _ in tree)
@@ -609,6 +627,11 @@ def _describe(
         outputs = [st for st in profile.storages
                    if start <= st.producer < end and any(u >= end for u in st.users)]
         flops = sum(m.flops for m in members)
+        spared = min(flops, stages[b].tail_flops) if mode == "non_reentrant" else 0
+        keep = a in keeps and depth == 0
+        kept_flops = max(0, sum(m.kept_flops for m in members) - spared) if keep else 0
+        kept_bytes = sum(m.kept_bytes for m in members) if keep else 0
+        kept_ops = sum(m.kept_ops for m in members) if keep else 0
         segments.append(
             _segment(
                 members,
@@ -616,9 +639,12 @@ def _describe(
                 input_count=len(inputs),
                 output_count=len(outputs),
                 boundary_bytes=sum(st.size_bytes for st in inputs),
-                freed_bytes=freed,
-                recompute_flops=flops - (min(flops, stages[b].tail_flops)
-                                         if mode == "non_reentrant" else 0),
+                freed_bytes=max(0, freed - kept_bytes),
+                recompute_flops=flops - spared - kept_flops,
+                keeps=keep,
+                kept_ops=kept_ops,
+                kept_bytes=kept_bytes,
+                recomputed_ops=sum(m.ops for m in members) - kept_ops,
                 dummy_arg=mode == "reentrant"
                 and not input_grad
                 and any(m.trainable for m in members),

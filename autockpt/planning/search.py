@@ -86,19 +86,20 @@ from autockpt.planning.memory_model import (
     START,
     UNDECIDED,
     UNPROMISED,
+    Keeps,
     MemoryModel,
     Ranges,
     Undecided,
     WalkKey,
     model_of,
-    segment_cost,
 )
 from autockpt.planning.optimal import (  # the same linked list of chosen blocks
     RangePath,
+    path_keeps,
     path_ranges,
 )
 
-__all__ = ["MAX_ENTRIES", "MAX_KEYS", "MAX_PROMISED", "search_plan"]
+__all__ = ["MAX_ENTRIES", "MAX_KEYS", "MAX_PROMISED", "search_kept", "search_plan"]
 
 MAX_KEYS = 20_000
 """The most ``(stage, key)`` states a search visits before it gives up."""
@@ -124,13 +125,15 @@ _PER_COST = 1 << 20
 
 
 def search_plan(chain: Chain, mode: str, *, budget: int | None = None,
-                bound: int | None = None) -> tuple[Ranges, int] | None:
+                bound: int | None = None, keep: bool = False
+                ) -> tuple[Ranges, int] | None:
     """The single-level plan of least estimated peak (then least recompute), or with
     ``budget`` the plan of least recompute whose estimate fits it (of equal ones, one of
     lower peak), and that estimate. ``bound``, an upper bound the caller knows from a plan it
     already has: no plan above this estimate is wanted, or with ``budget``, no plan that
     recomputes more than this. None where nothing fits, or where the search gave up
-    (NOTE [ An exact search under the plan's own estimate ]).
+    (NOTE [ An exact search under the plan's own estimate ]). ``keep``: a non-reentrant
+    segment may keep its matmuls (:func:`search_kept` returns which do).
 
     Example:
         >>> from autockpt.planning.chain import Chain, Cut, ForwardPeaks, Stage
@@ -142,14 +145,24 @@ def search_plan(chain: Chain, mode: str, *, budget: int | None = None,
         >>> search_plan(chain, "non_reentrant")
         ((), 96)
     """
+    found = search_kept(chain, mode, budget=budget, bound=bound, keep=keep)
+    return None if found is None else (found[0], found[2])
+
+
+def search_kept(chain: Chain, mode: str, *, budget: int | None = None,
+                bound: int | None = None, keep: bool = True
+                ) -> tuple[Ranges, Keeps, int] | None:
+    """:func:`search_plan` where a non-reentrant segment may keep its matmuls (NOTE
+    [ Segments that keep their matmuls ] in :mod:`autockpt.planning.memory_model`): the
+    ranges, the first stages of those that keep, and the estimate."""
     try:
-        found = _Search(model_of(chain, mode), mode, budget, bound).run()
+        found = _Search(model_of(chain, mode), mode, budget, bound, keep).run()
     except _GiveUp:
         return None
     if found is None:
         return None
     peak, _, path = found
-    return path_ranges(path), peak
+    return path_ranges(path), path_keeps(path), peak
 
 
 class _GiveUp(Exception):
@@ -160,9 +173,11 @@ class _Search:
     """One search: the frontiers by stage and key, and the bounds that prune them."""
 
     def __init__(self, model: MemoryModel, mode: str, budget: int | None,
-                 bound: int | None) -> None:
+                 bound: int | None, keep: bool = False) -> None:
         self.model = model
         self.mode = mode
+        self.keeps = (False, True) if keep and model.keeps else (False,)
+        """Whether a segment keeps its matmuls, the choices tried for each."""
         self.budget = budget
         self.limit = budget if budget is not None else bound
         """No walk whose peak passes this is kept."""
@@ -171,7 +186,7 @@ class _Search:
         """No walk whose score shows more recompute than ``bound`` is kept."""
         self.visited_entries = 0
         """Frontier entries extended so far, against :data:`MAX_ENTRIES`."""
-        self.scores: dict[tuple[int, int], int] = {}
+        self.scores: dict[tuple[int, int, bool], int] = {}
         self.open: dict[tuple[int, int], tuple[int, ...]] = {}
         self.remaining: dict[WalkKey, dict[int, int]] = {}
         self.freed: dict[tuple[WalkKey, tuple[int, ...]], WalkKey] = {}
@@ -204,18 +219,22 @@ class _Search:
                 for b in range(t, count):
                     if not carries[b]:
                         break
+                    if not reentrant:
+                        for keep in self.keeps:
+                            cost = self._cost(t, b, keep)
+                            # A longer segment recomputes more, but in non-reentrant mode
+                            # may cost less (its recompute stops earlier in its last stage).
+                            if (self.cost_bound is not None
+                                    and least_spent + cost > self.cost_bound):
+                                continue
+                            step = model.walk_segment(key, t, b, keep=keep)
+                            if step is not None:
+                                self._push(fronts[b + 1], step, entries, cost,
+                                           (t, b, 1) if keep else (t, b))
+                        continue
                     cost = self._cost(t, b)
                     if self.cost_bound is not None and least_spent + cost > self.cost_bound:
-                        # A longer segment recomputes more, but in non-reentrant mode may
-                        # cost less (its recompute stops earlier in its last stage).
-                        if reentrant:
-                            break
-                        continue
-                    if not reentrant:
-                        step = model.walk_segment(key, t, b)
-                        if step is not None:
-                            self._push(fronts[b + 1], step, entries, cost, (t, b))
-                        continue
+                        break
                     open_ = self._open(t, b)
                     undecided = model.walk_segment_undecided(key, t, b, open_)
                     if undecided is not None:
@@ -232,7 +251,7 @@ class _Search:
         return peak, score, path
 
     def _push(self, front: dict[WalkKey, list[_Entry]], step: tuple[WalkKey, int, int],
-              entries: list[_Entry], cost: int, block: tuple[int, int] | None) -> None:
+              entries: list[_Entry], cost: int, block: tuple[int, ...] | None) -> None:
         key, grown, value = step
         limit, cost_bound = self.limit, self.cost_bound
         remaining = self._remaining(key) if entries[0][4] else {}
@@ -371,12 +390,12 @@ class _Search:
                 if any(s > b and carries[s] for s in (*ll[i].savers, *ll[i].readers)))
         return found
 
-    def _cost(self, a: int, b: int) -> int:
-        """The score of segment ``a..b``."""
-        cost = self.scores.get((a, b))
+    def _cost(self, a: int, b: int, keep: bool = False) -> int:
+        """The score of segment ``a..b`` (``keep``: keeping its matmuls)."""
+        cost = self.scores.get((a, b, keep))
         if cost is None:
-            cost = self.scores[a, b] = (segment_cost(self.model.chain, a, b, self.mode)
-                                      * _PER_COST + 1)
+            cost = self.scores[a, b, keep] = (self.model.segment_cost(a, b, keep)
+                                            * _PER_COST + 1)
         return cost
 
 

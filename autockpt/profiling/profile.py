@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,6 +33,7 @@ from autockpt.capturing.ladder import has_hooks
 from autockpt.capturing.trace import TracedModel, describe_inputs, module_path
 from autockpt.errors import InvalidArgumentError
 from autockpt.ops.fake_outputs import SHARED
+from autockpt.ops.kept import is_kept
 from autockpt.ops.instrument import (
     FlopTally,
     LiveStorages,
@@ -61,8 +62,16 @@ class _WorkingSet(OpObserver):
     saw: whether an op consumed the RNG, which storages ops wrote in place, and the most bytes
     of new storages alive at once."""
 
-    def __init__(self, old_keys: set[int]) -> None:
+    def __init__(self, old_keys: set[int],
+                 formulas: Mapping[Any, Callable[..., Any]] | None = None) -> None:
         self.random = False
+        # FLOP formulas by op packet, for the kept ops' FLOPs (NOTE [ Keep the expensive,
+        # recompute the cheap ] in autockpt.ops.kept).
+        self._formulas = formulas or {}
+        self.kept_bytes = 0
+        self.kept_flops = 0
+        self.kept_ops = 0
+        self.ops = 0
         self.written: set[int] = set()
         # Storages saved for backward since the last op started, and whether one of them
         # was an op's output (see saves_fresh).
@@ -84,6 +93,10 @@ class _WorkingSet(OpObserver):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.freed_bytes = 0
+        self.kept_bytes = 0
+        self.kept_flops = 0
+        self.kept_ops = 0
+        self.ops = 0
         self._live.clear()
 
     def note_freed(self, size: int) -> None:
@@ -122,9 +135,22 @@ class _WorkingSet(OpObserver):
 
     def after_op(self, op: Op, out: Any) -> None:
         widen_reduced_loss(op.func, op.args, out)
-        for t in tensors(out):
-            if storage_key(t) not in self.old_keys:
-                self._note_output(t)
+        fresh = [t for t in tensors(out) if storage_key(t) not in self.old_keys]
+        if op.func.namespace != "prim" and not op.func.is_view and op.func not in _ALIASING:
+            self.ops += 1
+        if is_kept(op.func):
+            self.kept_ops += 1
+            seen: set[int] = set()
+            for t in fresh:
+                key = storage_key(t)
+                if key not in seen:
+                    seen.add(key)
+                    self.kept_bytes += t.untyped_storage().nbytes()
+            formula = self._formulas.get(op.func.overloadpacket)
+            if formula is not None:
+                self.kept_flops += formula(*op.args, **op.kwargs, out_val=out)
+        for t in fresh:
+            self._note_output(t)
 
     def _note_output(self, tensor: torch.Tensor) -> None:
         # Fake storages are freed like real ones, so a ledger of the live ones tells how many
@@ -420,7 +446,8 @@ class _ProfileRunner(fx.Interpreter):
         self._value_storages: dict[fx.Node, list[int]] = {}
         self._saved_now: list[torch.Tensor] = []
         self._counter = FlopTally()
-        self._watcher = _WorkingSet(old_keys=set(param_keys) | set(input_keys))
+        self._watcher = _WorkingSet(old_keys=set(param_keys) | set(input_keys),
+                                    formulas=self._counter.formulas)
 
     def profile_graph(self, *values_in: Any) -> None:
         """One run of the graph on the forward's (fake) parameters, every node measured (from
@@ -576,6 +603,7 @@ class _ProfileRunner(fx.Interpreter):
         )
         work_bytes = watcher.peak_bytes
         flops = _count(counter.total - flops_before)
+        kept = (watcher.kept_bytes, _count(watcher.kept_flops), watcher.kept_ops, watcher.ops)
         watcher.old_keys.update(storage_key(t) for t in tensors(value))
         watcher.old_keys.update(storage_key(t) for t in saved_now)
         random = watcher.random  # before the probe resets the watcher
@@ -652,6 +680,10 @@ class _ProfileRunner(fx.Interpreter):
             accumulate_backward_bytes=(accumulate if backward and accumulate != backward[0]
                                        else None),
             saves_fresh=saves_fresh,
+            kept_bytes=kept[0],
+            kept_flops=kept[1],
+            kept_ops=kept[2],
+            ops=kept[3],
         )
         node.meta["autockpt"] = stat
         if isinstance(value, torch.Tensor):

@@ -95,6 +95,17 @@ class NodeStat:
     transposed operand as the input of its last op, the bmm). A non-reentrant recompute
     that stops at this node must then run it to the end (NOTE [ A non-reentrant recompute
     stops early ] in :mod:`autockpt.planning.chain`)."""
+    kept_bytes: int = 0
+    """Bytes of the new storages made by its matrix products, convolutions and attention
+    kernels (:data:`autockpt.ops.kept.KEPT_OPS`): what a segment that keeps those ops' outputs
+    holds of this node from its forward to its recompute (NOTE [ Keep the expensive, recompute
+    the cheap ] in :mod:`autockpt.ops.kept`)."""
+    kept_flops: int = 0
+    """FLOPs of those ops: what such a segment does not run again."""
+    kept_ops: int = 0
+    """How many of those ops it runs."""
+    ops: int = 0
+    """How many ATen ops it runs (views and metadata queries aside)."""
 
 
 def node_cost(node: NodeStat) -> int:

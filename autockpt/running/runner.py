@@ -87,6 +87,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from autockpt.ops.kept import keep_context
 from autockpt.planning.planner import Segment
 from autockpt.running.rewrite import SegmentProgram
 
@@ -169,6 +170,7 @@ def run_checkpointed(
     *,
     preserve_rng: bool,
     buffers: Sequence[str],
+    keep: bool = False,
 ) -> Any:
     """``fn(*inputs)`` under ``torch.utils.checkpoint.checkpoint`` as the plan says.
 
@@ -180,6 +182,9 @@ def run_checkpointed(
         buffers: buffers the segment updates, qualified from ``run.module``: clones take
             their place during the recompute (NOTE [ Recompute must not update buffers
             twice ]).
+        keep: keep the outputs of its matmuls, convolutions and attention from the forward
+            and recompute only the rest (non-reentrant mode; NOTE [ Keep the expensive,
+            recompute the cheap ] in :mod:`autockpt.ops.kept`).
 
     Example:
         >>> lin = torch.nn.Linear(2, 2)
@@ -191,11 +196,14 @@ def run_checkpointed(
         True
     """
     observers = _observers()
-    guarded = _guarded(run, fn, buffers, observers)
+    guarded = _guarded(run, fn, buffers, observers, keep and run.mode != "reentrant")
     for observer in observers:
         observer.segment_started(run, inputs)
     try:
         if run.mode != "reentrant":
+            if keep:
+                return checkpoint(guarded, *inputs, use_reentrant=False,
+                                  preserve_rng_state=preserve_rng, context_fn=keep_context)
             return checkpoint(guarded, *inputs, use_reentrant=False,
                               preserve_rng_state=preserve_rng)
         unread = _Unread()
@@ -239,13 +247,15 @@ def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: t
     run = SegmentRun(module=module, segment=segment, block="", mode=mode,
                      dummy_arg=segment.dummy_arg)
     return run_checkpointed(run, functools.partial(program.fn, module), inputs,
-                            preserve_rng=segment.preserve_rng, buffers=segment.buffers)
+                            preserve_rng=segment.preserve_rng, buffers=segment.buffers,
+                            keep=segment.keeps and mode != "reentrant")
 
 
 def _guarded(run: SegmentRun, fn: Callable[..., Any], buffers: Sequence[str],
-             observers: tuple[SegmentObserver, ...]) -> Callable[..., Any]:
+             observers: tuple[SegmentObserver, ...], keep: bool = False) -> Callable[..., Any]:
     """The segment's function for one checkpoint call; see NOTE [ Recompute must not update
-    buffers twice ]."""
+    buffers twice ]. ``keep``: it runs under torch's selective checkpoint (NOTE [ Clones a
+    selective recompute must have seen ])."""
     calls = 0
 
     def guarded(*inputs: Any) -> Any:
@@ -259,6 +269,17 @@ def _guarded(run: SegmentRun, fn: Callable[..., Any], buffers: Sequence[str],
             return fn(*inputs)
         calls += 1
         if calls == 1:
+            if keep:
+                # NOTE [ Clones a selective recompute must have seen ]: torch's selective
+                # checkpoint looks every op of the recompute up among those of the forward,
+                # op by op, and fails on one the forward did not run: the clones of the
+                # buffers the recompute makes below. So the forward makes them too, first,
+                # as the recompute does, and drops them (a BatchNorm's statistics: bytes).
+                for qualname in buffers:
+                    owner_path, _, name = qualname.rpartition(".")
+                    original = run.module.get_submodule(owner_path)._buffers.get(name)
+                    if original is not None:
+                        original.clone()
             return fn(*inputs)
         # The recompute updates clones; the real buffers keep the values (and the version
         # counters) the forward left. Copying values back instead would bump the version of a
