@@ -570,10 +570,19 @@ class MemoryModel:
             forward = max(forward, self.segment_forward(a, b, 0, inputs, keep))
             total += stages[b].cost
             value, after, lower = self.segment(a, b, 0, inputs)
+            cost = self.segment_cost(a, b, keep, total)
             if keep:
+                if not self.keep_pays(a, b, cost, total):
+                    continue
                 after += self._kept[b + 1] - self._kept[a]
-            yield (b, self.segment_cost(a, b, keep, total), max(value, forward), after,
-                   max(lower, forward))
+            yield b, cost, max(value, forward), after, max(lower, forward)
+
+    def keep_pays(self, a: int, b: int, cost: int, total: int | None = None) -> bool:
+        """Whether ``a..b`` keeping its matmuls at ``cost`` may beat it recomputing whole:
+        it keeps something, for less. Otherwise it holds more for as much or more, and no
+        plan needs it."""
+        return (self._kept[b + 1] > self._kept[a]
+                and cost < self.segment_cost(a, b, False, total))
 
     def segment_cost(self, a: int, b: int, keep: bool = False, total: int | None = None
                      ) -> int:

@@ -222,6 +222,8 @@ class _Search:
                     if not reentrant:
                         for keep in self.keeps:
                             cost = self._cost(t, b, keep)
+                            if keep and not model.keep_pays(t, b, cost // _PER_COST):
+                                continue
                             # A longer segment recomputes more, but in non-reentrant mode
                             # may cost less (its recompute stops earlier in its last stage).
                             if (self.cost_bound is not None
