@@ -554,28 +554,34 @@ class MemoryModel:
         return again
 
     def segments_from(self, a: int, follows_segment: bool, keep: bool = False
-                      ) -> Iterator[tuple[int, int, int, int, int]]:
+                      ) -> Iterator[tuple[int, int, int, int, int, bool]]:
         """Every segment starting at ``a``, shortest first, as long as its stages carry
         gradient, priced on nothing held: ``(last stage, recompute cost, peak, held bytes
-        after it, lower bound of the peak)``; the peaks include the segment's forward and are
-        ``held +`` these for any ``held``. The lower bound never decreases along the way.
-        ``keep``: segments that keep their matmuls (NOTE [ Segments that keep their
-        matmuls ])."""
+        after it, lower bound of the peak, whether it keeps its matmuls)``; the peaks include
+        the segment's forward and are ``held +`` these for any ``held``. ``keep``: each
+        segment that may keep its matmuls comes a second time, keeping them, right after
+        the same segment recomputed whole (NOTE [ Segments that keep their matmuls ]). The
+        lower bound never decreases along the way, for either kind, and never is below the
+        whole segment's for the one that keeps."""
         stages = self.chain.stages
         inputs = self.segment_inputs(a, follows_segment)
-        forward = total = 0
+        forward = kept_forward = total = 0
+        kept = self._kept
         for b in range(a, self.count):
             if not stages[b].carries_grad:
                 return
-            forward = max(forward, self.segment_forward(a, b, 0, inputs, keep))
+            at_b = self.segment_forward(a, b, 0, inputs)
+            forward = max(forward, at_b)
             total += stages[b].cost
             value, after, lower = self.segment(a, b, 0, inputs)
-            cost = self.segment_cost(a, b, keep, total)
+            cost = self.segment_cost(a, b, False, total)
+            yield b, cost, max(value, forward), after, max(lower, forward), False
             if keep:
-                if not self.keep_pays(a, b, cost, total):
-                    continue
-                after += self._kept[b + 1] - self._kept[a]
-            yield b, cost, max(value, forward), after, max(lower, forward)
+                kept_forward = max(kept_forward, at_b + kept[b + 1] - kept[a])
+                kept_cost = self.segment_cost(a, b, True, total)
+                if kept[b + 1] > kept[a] and kept_cost < cost:
+                    yield (b, kept_cost, max(value, kept_forward), after + kept[b + 1] - kept[a],
+                           max(lower, kept_forward), True)
 
     def keep_pays(self, a: int, b: int, cost: int, total: int | None = None) -> bool:
         """Whether ``a..b`` keeping its matmuls at ``cost`` may beat it recomputing whole:

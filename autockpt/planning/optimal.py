@@ -129,7 +129,7 @@ def _least_suffix_peaks(model: MemoryModel) -> dict[_State, float]:
         for follows_segment in (False, True):
             value0, after0 = model.plain_stage(i, follows_segment, 0)
             best = max(value0, after0 + rest[(i + 1, False)])
-            for b, _, value, after, _ in model.segments_from(i, follows_segment):
+            for b, _, value, after, _, _ in model.segments_from(i, follows_segment):
                 best = min(best, max(value, after + rest[(b + 1, True)]))
             rest[(i, follows_segment)] = best
     return rest
@@ -191,18 +191,19 @@ def _solve_frontiers(model: MemoryModel, rest: dict[_State, float], limit: int, 
             value0, after0 = model.plain_stage(i, follows_segment, 0)
             fit = entries[:bisect_right(helds, limit - value0)]
             push((i + 1, False), [(h + after0, sc, p) for h, sc, p in fit])
-            for keeps in ((False, True) if keep else (False,)):
-                for b, cost, value0, after0, lower0 in model.segments_from(
-                        i, follows_segment, keeps):
-                    if helds[0] + lower0 > limit:
-                        break  # the lower bound only grows with b: longer segments fail too
-                    hi = bisect_right(helds, limit - value0)
-                    lo = 0 if bound is None else bisect_left(negated, cost - bound)
-                    fit = entries[lo:hi]
-                    if fit:
-                        block = (i, b, 1) if keeps else (i, b)
-                        push((b + 1, True), [(h + after0, sc + cost, (block, p))
-                                             for h, sc, p in fit])
+            for b, cost, value0, after0, lower0, keeps in model.segments_from(
+                    i, follows_segment, keep):
+                if helds[0] + lower0 > limit:
+                    if keeps:
+                        continue  # a longer segment recomputed whole may still fit
+                    break  # the lower bound only grows with b: longer segments fail too
+                hi = bisect_right(helds, limit - value0)
+                lo = 0 if bound is None else bisect_left(negated, cost - bound)
+                fit = entries[lo:hi]
+                if fit:
+                    block = (i, b, 1) if keeps else (i, b)
+                    push((b + 1, True), [(h + after0, sc + cost, (block, p))
+                                         for h, sc, p in fit])
     finals = frontier.get((count, False), []) + frontier.get((count, True), [])
     if not finals:
         return None

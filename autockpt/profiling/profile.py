@@ -59,8 +59,9 @@ __all__ = ["ProfileShare", "profile", "describe_inputs"]
 
 class _WorkingSet(OpObserver):
     """Per node (between two :meth:`reset`), what the :class:`~autockpt.ops.instrument.OpWatch`
-    saw: whether an op consumed the RNG, which storages ops wrote in place, and the most bytes
-    of new storages alive at once."""
+    saw: whether an op consumed the RNG, which storages ops wrote in place, the most bytes
+    of new storages alive at once, how many ops ran, and the outputs of those a segment may
+    keep (:data:`autockpt.ops.kept.KEPT_OPS`)."""
 
     def __init__(self, old_keys: set[int],
                  formulas: Mapping[Any, Callable[..., Any]] | None = None) -> None:
