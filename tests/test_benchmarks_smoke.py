@@ -253,6 +253,22 @@ def test_estimate_accuracy_measures_random_graphs() -> None:
     assert estimate_accuracy.summary(rows).splitlines()[1].startswith("non_reentrant")
 
 
+def test_estimate_models_measures_a_zoo_model_at_three_budgets() -> None:
+    """benchmarks/estimate_models.py applies a model at 90%, 75% and 60% of its measured peak,
+    counts the segments that keep their matmuls, and summarises the ratios."""
+    import estimate_models
+    from tests import zoo
+
+    case = next(c for c in zoo.CASES if c.name == "transformer")
+    rows = estimate_models.run_case(case.name, case.build, case.inputs, case.loss_fn)
+    assert [r["fraction"] for r in rows] == [0.9, 0.75, 0.6]
+    planned = [r for r in rows if not r["infeasible"]]
+    assert planned and all(
+        abs(r["estimated_bytes"] - r["measured_bytes"]) <= 0.01 * r["measured_bytes"]
+        and 0 <= r["keeping"] <= r["segments"] for r in planned)
+    assert estimate_models.summary(rows).startswith(f"plans {len(planned)} ")
+
+
 def test_unseen_models_runs_the_skip_connection_checks() -> None:
     """benchmarks/unseen_models.py checks a model as tests/models/test_skip_connections.py
     does, and its verdict flags what misses a target (ShuffleNet's least memory, 44% of its
