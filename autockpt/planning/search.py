@@ -125,15 +125,14 @@ _PER_COST = 1 << 20
 
 
 def search_plan(chain: Chain, mode: str, *, budget: int | None = None,
-                bound: int | None = None, keep: bool = False
-                ) -> tuple[Ranges, int] | None:
+                bound: int | None = None) -> tuple[Ranges, int] | None:
     """The single-level plan of least estimated peak (then least recompute), or with
     ``budget`` the plan of least recompute whose estimate fits it (of equal ones, one of
     lower peak), and that estimate. ``bound``, an upper bound the caller knows from a plan it
     already has: no plan above this estimate is wanted, or with ``budget``, no plan that
     recomputes more than this. None where nothing fits, or where the search gave up
-    (NOTE [ An exact search under the plan's own estimate ]). ``keep``: a non-reentrant
-    segment may keep its matmuls (:func:`search_kept` returns which do).
+    (NOTE [ An exact search under the plan's own estimate ]). Every segment recomputes
+    whole; :func:`search_kept` lets segments keep their matmuls.
 
     Example:
         >>> from autockpt.planning.chain import Chain, Cut, ForwardPeaks, Stage
@@ -145,7 +144,7 @@ def search_plan(chain: Chain, mode: str, *, budget: int | None = None,
         >>> search_plan(chain, "non_reentrant")
         ((), 96)
     """
-    found = search_kept(chain, mode, budget=budget, bound=bound, keep=keep)
+    found = search_kept(chain, mode, budget=budget, bound=bound, keep=False)
     return None if found is None else (found[0], found[2])
 
 
@@ -154,7 +153,23 @@ def search_kept(chain: Chain, mode: str, *, budget: int | None = None,
                 ) -> tuple[Ranges, Keeps, int] | None:
     """:func:`search_plan` where a non-reentrant segment may keep its matmuls (NOTE
     [ Segments that keep their matmuls ] in :mod:`autockpt.planning.memory_model`): the
-    ranges, the first stages of those that keep, and the estimate."""
+    ranges, the first stages of those that keep, and the estimate.
+
+    Example:
+        >>> from dataclasses import replace
+        >>> from autockpt.planning.chain import Chain, Cut, ForwardPeaks, Stage
+        >>> stage = Stage(start=0, end=1, cost=100, flops=90, carries_grad=True,
+        ...               saved_bytes=64, long_lived_bytes=0, long_lived_saved_bytes=0,
+        ...               output_bytes=0, grad_entry_bytes=0, backward_peak_bytes=88,
+        ...               forward=ForwardPeaks(72, 8, 72, 8, 72))
+        >>> last = replace(stage, start=1, end=2, output_bytes=8)
+        >>> chain = Chain(stages=(replace(stage, kept_bytes=16, kept_cost=90), last),
+        ...               cuts=(Cut(0, 0, 0, 0), Cut(32, 0, 0, 0), Cut(0, 0, 0, 0)))
+        >>> search_plan(chain, "non_reentrant", budget=180)  # stage 0 recomputed whole
+        (((0, 0),), 128)
+        >>> search_kept(chain, "non_reentrant", budget=180)  # 16 B more, 90 of 100 spared
+        (((0, 0),), frozenset({0}), 144)
+    """
     try:
         found = _Search(model_of(chain, mode), mode, budget, bound, keep).run()
     except _GiveUp:
