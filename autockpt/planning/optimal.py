@@ -98,20 +98,7 @@ def optimal_plan(chain: Chain, budget: int | None, mode: str = "non_reentrant", 
     their matmuls ] in :mod:`autockpt.planning.memory_model`), one more choice per segment in
     the same programme; the ranges come with the set of those that do.
 
-    Example:
-        >>> from dataclasses import replace
-        >>> from autockpt.planning.chain import Chain, Cut, ForwardPeaks, Stage
-        >>> stage = Stage(start=0, end=1, cost=100, flops=90, carries_grad=True,
-        ...               saved_bytes=64, long_lived_bytes=0, long_lived_saved_bytes=0,
-        ...               output_bytes=0, grad_entry_bytes=0, backward_peak_bytes=88,
-        ...               forward=ForwardPeaks(72, 8, 72, 8, 72))
-        >>> last = replace(stage, start=1, end=2, output_bytes=8)
-        >>> chain = Chain(stages=(replace(stage, kept_bytes=16, kept_cost=90), last),
-        ...               cuts=(Cut(0, 0, 0, 0), Cut(32, 0, 0, 0), Cut(0, 0, 0, 0)))
-        >>> optimal_plan(chain, 180)  # stage 0 checkpointed, keeping its matmuls
-        (((0, 0),), frozenset({0}), 144)
-        >>> optimal_ranges(chain, 180)  # recomputed whole it fits lower, for 100
-        (((0, 0),), 128)
+    The example of :func:`autockpt.planning.search.search_kept` finds the same plans here.
     """
     model = model_of(chain, mode)
     keep = keep and model.keeps

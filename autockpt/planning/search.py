@@ -169,6 +169,9 @@ def search_kept(chain: Chain, mode: str, *, budget: int | None = None,
         (((0, 0),), 128)
         >>> search_kept(chain, "non_reentrant", budget=180)  # 16 B more, 90 of 100 spared
         (((0, 0),), frozenset({0}), 144)
+        >>> from autockpt.planning.optimal import optimal_plan
+        >>> optimal_plan(chain, 180)  # the programme, where the two prices agree
+        (((0, 0),), frozenset({0}), 144)
     """
     try:
         found = _Search(model_of(chain, mode), mode, budget, bound, keep).run()
