@@ -15,7 +15,7 @@ the segment whole would run every matmul again.
 The planner chooses, per checkpointed segment, whether it keeps them
 (NOTE [ Segments that keep their matmuls ] in :mod:`autockpt.planning.memory_model`). The profile
 counts, per node, the bytes, FLOPs and number of these ops' outputs
-(:attr:`~autockpt.profiling.stats.NodeStat.kept_bytes`), and the runner passes :func:`keep_policy`
+(:attr:`~autockpt.profiling.stats.NodeStat.kept_bytes`), and the runner passes :func:`keep_context`
 to ``checkpoint`` as its ``context_fn``. Only non-reentrant checkpoint takes a ``context_fn``:
 reentrant segments recompute whole.
 """

@@ -579,26 +579,21 @@ class MemoryModel:
             if keep:
                 kept_forward = max(kept_forward, at_b + kept[b + 1] - kept[a])
                 kept_cost = self.segment_cost(a, b, True, total)
-                if kept[b + 1] > kept[a] and kept_cost < cost:
+                if self.keep_pays(a, b, kept_cost, cost):
                     yield (b, kept_cost, max(value, kept_forward), after + kept[b + 1] - kept[a],
                            max(lower, kept_forward), True)
 
-    def keep_pays(self, a: int, b: int, cost: int, total: int | None = None) -> bool:
-        """Whether ``a..b`` keeping its matmuls at ``cost`` may beat it recomputing whole:
-        it keeps something, for less. Otherwise it holds more for as much or more, and no
-        plan needs it."""
-        return (self._kept[b + 1] > self._kept[a]
-                and cost < self.segment_cost(a, b, False, total))
+    def keep_pays(self, a: int, b: int, kept_cost: int, whole_cost: int) -> bool:
+        """Whether ``a..b`` keeping its matmuls at ``kept_cost`` may beat it recomputing
+        whole at ``whole_cost``: it keeps something, for less. Otherwise it holds more for as
+        much or more, and no plan needs it."""
+        return self._kept[b + 1] > self._kept[a] and kept_cost < whole_cost
 
     def segment_cost(self, a: int, b: int, keep: bool = False, total: int | None = None
                      ) -> int:
         """What recomputing ``a..b`` costs (``total``: its stages' costs, where known);
         ``keep``: it keeps its matmuls (NOTE [ Segments that keep their matmuls ])."""
-        stages = self.chain.stages
-        if total is None:
-            total = sum(stages[t].cost for t in range(a, b + 1))
-        spared = 0 if self.reentrant else min(total, stages[b].tail_cost)
-        cost = self.chain.segment_cost + total - spared
+        cost, spared = _whole_cost(self.chain, a, b, self.reentrant, total)
         if keep:
             kept = self._kept_cost[b + 1] - self._kept_cost[a]
             cost += (self.chain.op_cost * (self._aten_ops[b + 1] - self._aten_ops[a])
@@ -1298,7 +1293,20 @@ def segment_cost(chain: Chain, a: int, b: int, mode: str = "non_reentrant",
     """Cost of recomputing stages ``a..b`` as one segment (see NOTE [ A non-reentrant
     recompute stops early ] in :mod:`autockpt.planning.chain`); ``keep``: it keeps its
     matmuls (NOTE [ Segments that keep their matmuls ])."""
-    return model_of(chain, mode).segment_cost(a, b, keep)
+    if keep:
+        return model_of(chain, mode).segment_cost(a, b, True)
+    # Without the kept prefix sums: no memory model to build (quadratic in the stages).
+    return _whole_cost(chain, a, b, mode == "reentrant")[0]
+
+
+def _whole_cost(chain: Chain, a: int, b: int, reentrant: bool, total: int | None = None
+                ) -> tuple[int, int]:
+    """Stages ``a..b`` recomputed whole as one segment: its cost, and what a non-reentrant
+    recompute's early stop spares of it (``total``: its stages' costs, where known)."""
+    if total is None:
+        total = sum(chain.stages[t].cost for t in range(a, b + 1))
+    spared = 0 if reentrant else min(total, chain.stages[b].tail_cost)
+    return chain.segment_cost + total - spared, spared
 
 
 def recompute_cost(chain: Chain, ranges: Ranges, mode: str = "non_reentrant",

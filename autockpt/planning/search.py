@@ -240,7 +240,7 @@ class _Search:
                     if not reentrant:
                         for keep in self.keeps:
                             cost = self._cost(t, b, keep)
-                            if keep and not model.keep_pays(t, b, cost // _PER_COST):
+                            if keep and not model.keep_pays(t, b, cost, self._cost(t, b)):
                                 continue
                             # A longer segment recomputes more, but in non-reentrant mode
                             # may cost less (its recompute stops earlier in its last stage).

@@ -248,7 +248,7 @@ def run_segment(module: nn.Module, program: SegmentProgram, mode: str, inputs: t
                      dummy_arg=segment.dummy_arg)
     return run_checkpointed(run, functools.partial(program.fn, module), inputs,
                             preserve_rng=segment.preserve_rng, buffers=segment.buffers,
-                            keep=segment.keeps and mode != "reentrant")
+                            keep=segment.keeps)
 
 
 def _guarded(run: SegmentRun, fn: Callable[..., Any], buffers: Sequence[str],
@@ -275,21 +275,15 @@ def _guarded(run: SegmentRun, fn: Callable[..., Any], buffers: Sequence[str],
                 # op by op, and fails on one the forward did not run: the clones of the
                 # buffers the recompute makes below. So the forward makes them too, first,
                 # as the recompute does, and drops them (a BatchNorm's statistics: bytes).
-                for qualname in buffers:
-                    owner_path, _, name = qualname.rpartition(".")
-                    original = run.module.get_submodule(owner_path)._buffers.get(name)
+                for _, _, original in _buffer_slots(run.module, buffers):
                     if original is not None:
                         original.clone()
             return fn(*inputs)
         # The recompute updates clones; the real buffers keep the values (and the version
         # counters) the forward left. Copying values back instead would bump the version of a
         # buffer the recomputed graph saved, and backward would refuse to run.
-        slots = []
-        for qualname in buffers:
-            owner_path, _, name = qualname.rpartition(".")
-            owner = run.module.get_submodule(owner_path)
-            original = owner._buffers.get(name)
-            slots.append((owner, name, original))
+        slots = _buffer_slots(run.module, buffers)
+        for owner, name, original in slots:
             if original is not None:
                 owner._buffers[name] = original.clone()
         try:
@@ -305,6 +299,17 @@ def _guarded(run: SegmentRun, fn: Callable[..., Any], buffers: Sequence[str],
                 owner._buffers[name] = original
 
     return guarded
+
+
+def _buffer_slots(module: nn.Module, buffers: Sequence[str]
+                  ) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
+    """``(owner, name, buffer)`` for each qualified buffer name, from ``module``."""
+    slots = []
+    for qualname in buffers:
+        owner_path, _, name = qualname.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        slots.append((owner, name, owner._buffers.get(name)))
+    return slots
 
 
 class _Unread:
