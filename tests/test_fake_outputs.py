@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from autockpt import fake_outputs
 from autockpt.capturing.ladder import capture
@@ -200,3 +202,95 @@ def test_profiles_and_replays_with_and_without_the_memo_agree(
         assert prof.storages == plain.storages
         assert prof.loss == plain.loss
     assert replay_peak_bytes(model, traced, plan, inputs) == plain_peak
+
+
+def _symbolic_sizes(env: ShapeEnv, *hints: int) -> list[torch.SymInt]:
+    sizes = []
+    for hint in hints:
+        source = ConstantSource(f"test_size_{hint}")
+        symbol = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+        sizes.append(env.create_symintnode(symbol, hint=hint, source=source))
+    return sizes
+
+
+SYMBOLIC_OPS: list[tuple[Any, Callable[[Any, Any], tuple[Any, ...]]]] = [
+    (aten.add.Tensor, lambda b, t: (torch.empty(b, t, 8), torch.empty(8))),
+    (aten.bmm.default, lambda b, t: (torch.empty(b, t, 8), torch.empty(b, 8, t))),
+    (aten.native_layer_norm.default, lambda b, t: (torch.empty(b, t, 8), [8], torch.empty(8),
+                                                   None, 1e-5)),
+    (aten.view.default, lambda b, t: (torch.empty(b, t, 8), [b * t, 8])),
+    (aten.transpose.int, lambda b, t: (torch.empty(b, t, 8), 1, 2)),
+    (aten.split.Tensor, lambda b, t: (torch.empty(b, t, 24), 8, -1)),
+    (aten.sum.dim_IntList, lambda b, t: (torch.empty(b, t, 8), [1], True)),
+]
+
+
+@pytest.mark.parametrize("func,make", SYMBOLIC_OPS, ids=[str(op) for op, _ in SYMBOLIC_OPS])
+def test_an_op_on_symbolic_sizes_is_remembered_without_new_guards(
+        func: Any, make: Callable[[Any, Any], tuple[Any, ...]]) -> None:
+    """NOTE [ Remembered ops on symbolic sizes ]: the second call's outputs have the first's
+    size expressions, and asking the memo records no guard of its own."""
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env, static_shapes=True):
+        args = make(*_symbolic_sizes(env, 4, 6))
+        expected = _hinted(_described(func(*args), args))
+        memo = FakeOutputs()
+        out, _, first = memo.run(func, args, {}, lambda: (func(*args), 0))
+        guards = len(env.guards)
+        again, _, second = memo.run(func, args, {}, lambda: (func(*args), 0))
+        assert len(env.guards) == guards
+        for made in (out, again):
+            assert _hinted(_described(made, args)) == expected, func
+        # The remembered sizes are the first run's expressions, not numbers.
+        assert str(_described(again, args)) == str(_described(out, args))
+    assert (first, second) == (False, True)
+
+
+def _hinted(value: Any) -> Any:
+    """``value`` with each symbolic size at its hint (torch's own cache writes a storage's
+    size as another, equal expression: only the values can be compared)."""
+    if isinstance(value, torch.SymInt):
+        return value.node.hint
+    if isinstance(value, (tuple, list, torch.Size)):
+        return type(value)(_hinted(v) for v in value) if not isinstance(value, torch.Size) \
+            else tuple(_hinted(v) for v in value)
+    return value
+
+
+def test_symbolic_sizes_of_two_shape_envs_are_keyed_apart() -> None:
+    """``s0`` of one profile is not ``s0`` of another: each env's ops run once."""
+    memo = FakeOutputs()
+    for _ in range(2):
+        env = ShapeEnv()
+        with FakeTensorMode(shape_env=env, static_shapes=True):
+            b, t = _symbolic_sizes(env, 4, 6)
+            x = torch.empty(b, t)
+            _, _, hit = memo.run(aten.mul.Tensor, (x, x), {},
+                                 lambda: (aten.mul.Tensor(x, x), 0))
+            assert not hit
+
+
+def test_a_symbolic_profile_is_the_same_with_and_without_the_memo(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile on symbolic sizes, with the memo answering the repeated blocks and without
+    it: the same numbers at the sizes profiled and at others, and guards that hold at the same
+    shapes."""
+    from autockpt.capturing.shapes import tensors_in
+    from autockpt.profiling.symbolic import SymbolicInputs, formula_of
+
+    case = next(c for c in CASES if c.name == "transformer")
+    model, traced, inputs = _profiled(case)
+    memo = FakeOutputs()
+    monkeypatch.setattr("autockpt.profiling.profile.SHARED", memo)
+    (shape,) = [tuple(t.shape) for t in tensors_in(inputs)]
+    shapes = [(shape,), ((shape[0] * 3, *shape[1:]),), ((shape[0] + 5, *shape[1:]),),
+              ((1, *shape[1:]),)]
+    found = []
+    for enabled in (False, True):
+        memo.enabled = enabled
+        symbolic = SymbolicInputs(tensors_in(inputs))
+        formula = formula_of(profile(traced, inputs, symbolic=symbolic), symbolic)
+        found.append([formula.at(s, "") for s in shapes])
+    assert memo.hits > 0
+    assert found[0] == found[1]
+    assert found[0][0] is not None and found[0][1] is not None

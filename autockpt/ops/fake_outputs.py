@@ -23,7 +23,7 @@ It remembers only what that holds for, and runs the op otherwise:
 - ops whose schema writes an argument (in-place and out= ops) and ops tagged with a
   data-dependent output shape are never remembered;
 - every tensor argument must be a plain FakeTensor of a real dtype, without a constant value
-  (a constant's outputs carry values that ``.item()`` reads) or symbolic sizes;
+  (a constant's outputs carry values that ``.item()`` reads);
 - every output must be a FakeTensor (or None) without a constant value, either a view of one
   argument's storage (remembered with its offset) or with a storage of its own, at offset 0
   and exactly as large as its shape and strides need;
@@ -37,13 +37,27 @@ closure, itself a reference cycle, did: the replay's peak grew by the tensors it
 collector ran).
 tests/test_fake_outputs.py checks each case against the op, and that profiles and replays are
 the same with the memo as without.
+
+NOTE [ Remembered ops on symbolic sizes ]
+A profile on symbolic sizes (NOTE [ One profile for every shape ] in
+autockpt/profiling/symbolic.py) pays most for the fake runs themselves: every size an
+expression, every check of one a question to the ``ShapeEnv``, and FakeTensorMode's cache hit
+costs more than a millisecond there. The memo keys such an op by its arguments' size
+expressions and their ``ShapeEnv`` (one profile's symbols mean nothing in another's), and keeps
+the first run's output sizes, which are expressions of the same symbols. A second call with the
+same expressions would compute the same sizes and record the same guards, which the first
+already recorded; the outputs are made with guards suppressed, as FakeTensorMode makes its
+cached ones. An output whose storage is not the size its shape needs, as polynomials (asking
+torch whether two sizes are equal would itself guard), is not remembered.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -57,11 +71,13 @@ _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device
 _DATA_DEPENDENT = frozenset({torch.Tag.dynamic_output_shape,
                              getattr(torch.Tag, "data_dependent_output", None)}) - {None}
 
-# An output's metadata: shape, strides, dtype, device, and for a view the position of the
-# fake tensor argument whose storage it shares (else None) and its storage offset. A
+# An output's metadata: shape, strides, dtype, device, for a view the position of the fake
+# tensor argument whose storage it shares (else None) and its storage offset, and for a fresh
+# storage of symbolic size its size in bytes as the op wrote it (else None). A
 # remembered op: its outputs' container (tuple, list, or None for one tensor), their
 # metadata (None for an absent output) and the FLOPs counted for it (None: not counted).
-_Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int | None, int]
+_Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int | None, int,
+              torch.SymInt | None]
 _Entry = tuple[type | None, tuple[_Meta | None, ...], int | None]
 
 
@@ -76,14 +92,20 @@ def _key_of(value: Any, parts: list[Any], fakes: list[FakeTensor]) -> None:
     collector runs)."""
     kind = type(value)
     if kind is FakeTensor:
-        if value.constant is not None or value.dtype.is_complex or value.is_sparse \
-                or value.fake_mode.shape_env is not None:
+        if value.constant is not None or value.dtype.is_complex or value.is_sparse:
             raise _Unkeyable
         fakes.append(value)
-        parts.append((value.shape, value.stride(), value.dtype, value.storage_offset(),
-                      value.fake_device))
+        env = value.fake_mode.shape_env
+        if env is None:
+            parts.append((value.shape, value.stride(), value.dtype, value.storage_offset(),
+                          value.fake_device))
+        else:  # NOTE [ Remembered ops on symbolic sizes ]
+            parts.append((id(env), _exprs(value.shape), _exprs(value.stride()), value.dtype,
+                          _expr(value.storage_offset()), value.fake_device))
     elif kind in _PLAIN:
         parts.append((kind, value))
+    elif kind is torch.SymInt:
+        parts.append((kind, _expr(value)))
     elif kind is list or kind is tuple:
         parts.append((kind, len(value)))
         for item in value:
@@ -92,10 +114,34 @@ def _key_of(value: Any, parts: list[Any], fakes: list[FakeTensor]) -> None:
         raise _Unkeyable
 
 
+def _expr(size: Any) -> Any:
+    """A size as a key: its expression where symbolic (a ``SymInt`` does not hash)."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+def _exprs(sizes: Any) -> tuple[Any, ...]:
+    return tuple(_expr(size) for size in sizes)
+
+
 def _storage_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
     if any(size == 0 for size in shape):
         return 0
     return (1 + sum((size - 1) * step for size, step in zip(shape, stride))) * itemsize
+
+
+def _tight(out: FakeTensor, shape: tuple[Any, ...], stride: tuple[Any, ...]) -> bool:
+    """Whether ``out``'s storage is exactly as large as its shape and strides need. Of
+    symbolic sizes, whether the two are the same polynomial: comparing them would guard."""
+    nbytes = out.untyped_storage().nbytes()
+    if not any(isinstance(v, torch.SymInt) for v in (nbytes, *shape, *stride)):
+        return bool(nbytes == _storage_bytes(shape, stride, out.element_size()))
+    needed = (1 + sum((size - 1) * step for size, step in zip(shape, stride))) \
+        * out.element_size()
+    if not (isinstance(nbytes, torch.SymInt) and isinstance(needed, torch.SymInt)):
+        return False
+    # The two are written differently (a product against a sum over strides): expanded,
+    # equal polynomials are the same expression. Only an op's first run pays for this.
+    return bool(sympy.expand(nbytes.node.expr - needed.node.expr) == 0)
 
 
 def _meta_of(out: Any, fakes: list[FakeTensor], seen: set[int]) -> _Meta | None:
@@ -111,12 +157,14 @@ def _meta_of(out: Any, fakes: list[FakeTensor], seen: set[int]) -> _Meta | None:
     base = next((i for i, arg in enumerate(fakes) if arg.untyped_storage()._cdata == storage),
                 None)
     if base is not None:  # a view of an argument (split's outputs share one)
-        return (*meta, base, out.storage_offset())
-    if storage in seen or out.storage_offset() != 0 or out.untyped_storage().nbytes() != \
-            _storage_bytes(shape, stride, out.element_size()):
+        return (*meta, base, out.storage_offset(), None)
+    offset = out.storage_offset()
+    if storage in seen or isinstance(offset, torch.SymInt) or offset != 0 or \
+            not _tight(out, shape, stride):
         raise _Unkeyable
     seen.add(storage)
-    return (*meta, None, 0)
+    nbytes = out.untyped_storage().nbytes()
+    return (*meta, None, 0, nbytes if isinstance(nbytes, torch.SymInt) else None)
 
 
 class FakeOutputs:
@@ -203,17 +251,25 @@ def _entry_of(out: Any, fakes: list[FakeTensor], flops: int | None) -> _Entry | 
 def _made(fakes: list[FakeTensor], entry: _Entry) -> Any:
     container, metas, _ = entry
     mode = fakes[0].fake_mode
+    # Sizes stay as the first run made them: the guards its shapes needed are recorded.
+    env = mode.shape_env
     made = []
     for meta in metas:
         if meta is None:
             made.append(None)
             continue
-        shape, stride, dtype, device, base, offset = meta
+        shape, stride, dtype, device, base, offset, nbytes = meta
         # As FakeTensorMode builds a cached output: the meta kernels, not the modes.
-        with torch._C._DisableTorchDispatch():
+        quiet = env.suppress_guards() if env is not None else contextlib.nullcontext()
+        with torch._C._DisableTorchDispatch(), quiet:
             empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
             if base is not None:
                 empty.set_(fakes[base].untyped_storage(), offset, shape, stride)
+            elif nbytes is not None:
+                # The op's own expression of its storage's size (empty_strided writes an
+                # equal one differently), so that a profile's expressions are the same.
+                storage = torch.empty(nbytes, dtype=torch.uint8, device="meta")
+                empty.set_(storage.untyped_storage(), 0, shape, stride)
         made.append(FakeTensor(mode, empty, device))
     if container is None:
         return made[0]

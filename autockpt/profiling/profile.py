@@ -52,7 +52,7 @@ from autockpt.ops.instrument import (
 from autockpt.profiling.loss import LossFn, call_loss, inner_loss, output_parts
 from autockpt.profiling.shape_rules import SHAPE_RULES
 from autockpt.profiling.stats import LOSS_OP, LossStat, NodeStat, Profile, StorageStat
-from autockpt.profiling.symbolic import SymbolicInputs, larger
+from autockpt.profiling.symbolic import SymbolicInputs, larger, same
 
 __all__ = ["ProfileShare", "profile", "describe_inputs"]
 
@@ -678,7 +678,8 @@ class _ProfileRunner(fx.Interpreter):
             backward_bytes=backward[0] if backward else 0,
             input_grad_bytes=backward[1] if backward else (),
             grad_bytes=_grad_size(value),
-            accumulate_backward_bytes=(accumulate if backward and accumulate != backward[0]
+            accumulate_backward_bytes=(accumulate if backward and not same(accumulate,
+                                                                           backward[0])
                                        else None),
             saves_fresh=saves_fresh,
             kept_bytes=kept[0],
