@@ -248,6 +248,28 @@ def test_plans_with_the_same_segments_share_one_program() -> None:
     assert plans >= 3 and programs == 1  # nothing checkpointed at any size
 
 
+def test_programs_of_plans_that_cut_the_same_segment_share_its_function() -> None:
+    """NOTE [ A segment's code serves every plan that cuts it ] in autockpt/running/rewrite.py:
+    a later plan that cuts a segment an earlier one cut reuses that segment's compiled
+    function; every step trains as the twin and keeps the budget."""
+    torch.manual_seed(0)
+    net = ConvNet()
+    base = autockpt.plan(net, (torch.randn(2, 3, 64, 64),), loss_fn=image_loss)
+    budget_bytes = (base.baseline_peak_bytes + base.min_peak_bytes) // 2
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB, loss_fn=image_loss)
+    _image_loop(model, copy.deepcopy(net), [(2, side, side) for side in (40, 48, 56, 64)],
+                budget_bytes)
+    (family,) = _state(model).families.values()
+    functions: dict[tuple[int, int], list[Any]] = {}
+    for _, program in family.programs.values():
+        for compiled in program.segments:
+            functions.setdefault((compiled.segment.start, compiled.segment.end),
+                                 []).append(compiled.fn)
+    shared = [fns for fns in functions.values() if len(fns) > 1]
+    assert len(family.programs) >= 3 and shared
+    assert all(fn is fns[0] for fns in shared for fn in fns)
+
+
 def test_example_inputs_at_the_largest_shape_serve_every_smaller_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)

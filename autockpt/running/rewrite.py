@@ -20,6 +20,7 @@ import copy
 import hashlib
 import linecache
 import operator
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,19 @@ RUN_METHOD = "_autockpt_run"
 """Name of the method of the transformed module that runs one segment under checkpoint."""
 
 _compiled_count = 0
+
+# NOTE [ A segment's code serves every plan that cuts it ]
+# A module that meets many shapes compiles a program per distinct plan (NOTE [ Buckets of
+# shapes ] in autockpt/planning/buckets.py), and plans for neighbouring shapes mostly cut the
+# same segments. A segment's function is the graph's nodes from its start to its end, their
+# inputs and outputs (fixed by the graph), and the names of the tensor constants it reads:
+# nothing of the plan or its variant, unless segments are nested in it (their calls name the
+# variant). So the functions of segments with nothing nested in them are kept per graph and
+# reused by every later plan that cuts the same range: a new plan compiles its forward and
+# only the segments no earlier plan had (about half of the 25 ms a new plan's program took for
+# the 6-layer GPT-2 of benchmarks/shapes.py).
+_SEGMENTS: weakref.WeakKeyDictionary[fx.Graph, dict[Any, tuple[Callable[..., Any], str]]] = \
+    weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,7 @@ def rewrite(
     """
     nodes = list(graph.nodes)
     constant_names = constant_names or {}
+    cache = _SEGMENTS.setdefault(graph, {})
     main = fx.Graph()
     main._codegen = copy.deepcopy(graph._codegen)
     programs: list[SegmentProgram | None] = [None] * len(plan.segments)
@@ -190,15 +205,24 @@ def rewrite(
                     env[member] = copy_into(target, member, env)
             outputs = [m for m in members
                        if m.op != "get_attr" and any(u not in inside for u in m.users)]
-            sub = fx.Graph()
-            sub_env: dict[fx.Node, fx.Node] = {}
-            for arg in inputs:
-                sub_env[arg] = sub.placeholder(arg.name)
-            emit(sub, sub_env, seg.start, seg.end, children[index])
-            sub.output(tuple(sub_env[o] for o in outputs))
-            _drop_dead_attributes(sub)
-            sub.lint()
-            fn, src = _compile(sub, f"segment {index} of variant {variant}")
+            # NOTE [ A segment's code serves every plan that cuts it ]
+            key = None if children[index] else (seg.start, seg.end, tuple(
+                constant_names[str(m.target)] for m in members
+                if m.op == "get_attr" and m.target in constant_names))
+            found = cache.get(key) if key is not None else None
+            if found is None:
+                sub = fx.Graph()
+                sub_env: dict[fx.Node, fx.Node] = {}
+                for arg in inputs:
+                    sub_env[arg] = sub.placeholder(arg.name)
+                emit(sub, sub_env, seg.start, seg.end, children[index])
+                sub.output(tuple(sub_env[o] for o in outputs))
+                _drop_dead_attributes(sub)
+                sub.lint()
+                found = _compile(sub, f"segment {index} of variant {variant}")
+                if key is not None:
+                    cache[key] = found
+            fn, src = found
             programs[index] = SegmentProgram(fn=fn, segment=seg, source=src)
             call = target.call_module(RUN_METHOD, (variant, index, *(env[a] for a in inputs)))
             for k, out in enumerate(outputs):
