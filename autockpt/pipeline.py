@@ -29,7 +29,7 @@ from torch import nn
 
 from autockpt.capturing.ladder import NoGraph, capture, hooked_modules, unsharded_view
 from autockpt.capturing.meta import meta_autocast
-from autockpt.capturing.shapes import tensor_shapes, tensors_in
+from autockpt.capturing.shapes import Shapes, tensor_shapes, tensors_in
 from autockpt.capturing.trace import (TracedModel, base_class, bind_inputs,
                                       describe_inputs, forward_signature, shallow_view)
 from autockpt.errors import AutockptError, InfeasibleBudgetError, InvalidArgumentError
@@ -352,9 +352,11 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 # A transformed module plans each bucket of shapes on one shared graph (NOTE [ Buckets of
 # shapes ] in autockpt/planning/buckets.py). A profile on symbolic sizes (NOTE [ One profile
 # for every shape ] in autockpt/profiling/symbolic.py) prices every later shape where its
-# guards hold by evaluation, milliseconds instead of a profile, but it costs about eight
-# profiles of one shape (3.3 s against 0.4 s for a 6-layer GPT-2 and its head in chunks on
-# one CPU thread): a run that meets few buckets would pay more for it than it saves, and most
+# guards hold by evaluation, milliseconds instead of a profile, but a plan made on it costs
+# about six plans profiled at their shapes (4.1 s against 0.5-0.75 s for a 6-layer GPT-2 and
+# its head in chunks on one CPU thread, measured 2026-12-07, after NOTE [ Remembered ops on
+# symbolic sizes ] in autockpt/ops/fake_outputs.py; eight before it): a run that meets few
+# buckets would pay more for it than it saves, and most
 # do (the loops of benchmarks/shapes.py make two to five plans in 12 to 36 batches of one
 # varying length or image side). So, as a skier rents until renting has cost what buying
 # would, a graph's first SYMBOLIC_AFTER plans are profiled at their shapes, as before, and
@@ -371,7 +373,21 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 # profile that fails (an op that cannot take symbolic sizes) turns the graph back to one
 # profile per shape.
 
-SYMBOLIC_AFTER = 8
+# NOTE [ A head too large at a smaller shape ]
+# Where the graph ends in a head and a cross-entropy, each plan is made twice, with the head
+# whole and in chunks, and the one that recomputes less is kept (NOTE [ The head in chunks of
+# rows ] in autockpt/planning/head.py). Once a formula prices a shape in milliseconds, those
+# two searches are most of a new shape's planning (about 35 and 30 ms for the 6-layer GPT-2 of
+# benchmarks/shapes.py on one CPU thread), and the search with the head whole is the dearer
+# where it fails: it tries nested plans before it gives up. But memory grows with every size
+# (what NOTE [ Buckets of shapes ] already relies on): every plan's peak at a larger shape is
+# at least its peak at a smaller one, so the least peak of any plan is too. A graph whose head
+# whole met no plan at some shapes under some budget meets none at shapes at least as large in
+# every size, under a budget no larger; there the graph with its head in chunks is planned
+# alone, which is the plan both searches would have kept. Should the chunked search fail too,
+# the search with the head whole runs after all, for its error.
+
+SYMBOLIC_AFTER = 6
 """Plans of a graph profiled at their own shapes before one is profiled on symbolic sizes
 (NOTE [ Pricing every shape of a shared graph ])."""
 SYMBOLIC_PROFILES = 4
@@ -400,10 +416,27 @@ class ShapePricing:
         """Profiles answered by evaluating a formula."""
         self.failed: str | None = None
         """Why a symbolic profile failed, if one did: the graph is profiled per shape."""
+        self.whole_head_infeasible: list[tuple[Shapes, int]] = []
+        """The shapes and budgets at which the graph with its head whole met no plan (NOTE
+        [ A head too large at a smaller shape ])."""
+
+    def whole_head_fails(self, shapes: Shapes, budget_bytes: int | None) -> bool:
+        """Whether the graph with its head whole is known to meet no plan at ``shapes``: it
+        met none at shapes no larger, under a budget no smaller (NOTE [ A head too large at a
+        smaller shape ])."""
+        return budget_bytes is not None and any(
+            budget_bytes <= budget and _at_least(shapes, smaller)
+            for smaller, budget in self.whole_head_infeasible)
 
     def may_profile_symbolically(self) -> bool:
         return (self.failed is None and self.plans >= SYMBOLIC_AFTER
                 and self.symbolic < SYMBOLIC_PROFILES)
+
+
+def _at_least(shapes: Shapes, other: Shapes) -> bool:
+    """Whether every size of ``shapes`` is at least ``other``'s (of the same ranks)."""
+    return len(shapes) == len(other) and all(
+        len(a) == len(b) and all(x >= y for x, y in zip(a, b)) for a, b in zip(shapes, other))
 
 
 class _Pricing:
@@ -562,12 +595,22 @@ def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
                share: ProfileShare | None, priced: _Pricing | None = None) -> GraphPlan:
     """:func:`plan_graph` once the inputs and the budget are known; ``share`` is None where
     the head is never chunked."""
+    # NOTE [ A head too large at a smaller shape ]
+    skip_plain = (priced is not None and share is not None
+                  and priced.pricing.whole_head_fails(priced.shapes, budget_bytes))
     plain, plain_error, stats = _plan_traced(module, traced, inputs, config, budget_bytes, device,
-                                             share, priced=priced)
+                                             share, priced=priced, plan=not skip_plain)
     stretch = None
     if share is not None:
         stretch = (find_row_stretch(traced.graph_module) if priced is None
                    else priced.stretch(traced))
+    if skip_plain and stretch is None:
+        plain, plain_error, stats = _plan_traced(module, traced, inputs, config, budget_bytes,
+                                                 device, share, priced=priced)
+        skip_plain = False
+    if priced is not None and plain is None and plain_error is not None and \
+            stretch is not None and budget_bytes is not None:
+        priced.pricing.whole_head_infeasible.append((priced.shapes, budget_bytes))
     if stretch is None or (plain is not None and not _chunking_may_pay(plain, stats, stretch)):
         if plain is None:
             assert plain_error is not None
@@ -589,6 +632,9 @@ def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
     except InvalidArgumentError:
         # The user's loss_fn reads the logits the chunked graph no longer returns.
         chunked, chunked_error = None, None
+    if chunked is None and skip_plain:
+        plain, plain_error, _ = _plan_traced(module, traced, inputs, config, budget_bytes, device,
+                                             share, priced=priced)
     if chunked is None:
         if plain is None:
             assert plain_error is not None
@@ -616,18 +662,22 @@ def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
 def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
                  config: ApplyConfig, budget_bytes: int | None, device: DeviceBudget | None,
                  share: ProfileShare | None, head: ChunkedHead | None = None,
-                 head_forward_flops: int = 0, priced: _Pricing | None = None
+                 head_forward_flops: int = 0, priced: _Pricing | None = None,
+                 plan: bool = True
                  ) -> tuple[GraphPlan | None, InfeasibleBudgetError | None, Profile]:
     """Profile and plan one graph; an infeasible budget is returned, not raised, so that
     the caller can try the graph with the head in chunks (``head``, whose stretch's forward
     costs ``head_forward_flops``). With ``priced``, the profile is a formula's evaluation
     where one holds (NOTE [ One profile for every shape ] in
-    :mod:`autockpt.profiling.symbolic`)."""
+    :mod:`autockpt.profiling.symbolic`). ``plan=False``: the profile alone (no plan, no
+    error)."""
     if priced is None or config.cost == "profile":
         stats = profile(traced, inputs, loss_fn=config.loss_fn, share=share)
     else:
         stats = priced.profile(traced, inputs, config.loss_fn, share,
                                None if head is None else head.chunks)
+    if not plan:
+        return None, None, stats
     if head is not None:
         # The chunked node's FLOPs are the stretch's forward and backward: the model's
         # forward FLOPs stay the model's.

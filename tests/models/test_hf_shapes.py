@@ -117,3 +117,53 @@ def test_longer_batches_are_priced_by_evaluating_one_symbolic_profile(
     assert pricing.failed is None and pricing.symbolic == 2  # the head whole and in chunks
     assert pricing.evaluated >= 2 * (len(lengths) - 2) - 1
     assert any(chunks is not None for chunks in pricing.formulas)
+
+
+def test_a_head_too_large_at_a_smaller_length_is_not_searched_whole_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ A head too large at a smaller shape ] in autockpt/pipeline.py: once no plan with
+    the head whole fits the budget at a length, a longer batch searches only the graph with
+    its head in chunks, and gets the plan searching both gives, printed byte for byte;
+    gradients equal the twin's and the budget holds."""
+    from autockpt import pipeline
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=16384,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    net = transformers.GPT2LMHeadModel(config)
+    lengths = [16, 20, 24, 28, 32]  # each past every plan's bucket: a plan each
+    batches = [_batch(length, step + 1, 16384, False) for step, length in enumerate(lengths)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = autockpt.plan(net, example_kwargs=batches[0], chunk_head=False)
+        chunked = autockpt.plan(net, example_kwargs=batches[-1])
+    # No plan with the head whole at the shortest length, one in chunks at the longest.
+    budget_bytes = (whole.min_peak_bytes + chunked.min_peak_bytes) // 2
+    assert chunked.min_peak_bytes < budget_bytes < whole.min_peak_bytes
+    searched: list[bool] = []
+    real = pipeline._planned
+
+    def counted(module: Any, traced: Any, inputs: Any, stats: Any, *rest: Any) -> Any:
+        searched.append(any(n.target == "chunked_rows" for n in stats.nodes))
+        return real(module, traced, inputs, stats, *rest)
+
+    monkeypatch.setattr(pipeline, "_planned", counted)
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB)
+    twin = copy.deepcopy(net).train()
+    printed = []
+    for step, batch in enumerate(batches):
+        _step_against_twin(model, twin, batch, step, budget_bytes, f"length {lengths[step]}")
+        printed.append(str(autockpt.plan_of(model)))
+    assert autockpt.plan_of(model).chunked_head is not None
+    assert searched.count(False) == 1 and searched.count(True) == len(lengths)
+
+    # Searching both graphs at every length gives the same plans.
+    searched.clear()
+    monkeypatch.setattr(pipeline.ShapePricing, "whole_head_fails", lambda *args: False)
+    both = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB)
+    for step, batch in enumerate(batches):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = autockpt.plan_of(both, **batch)
+        assert str(plan) == printed[step], lengths[step]
+    assert searched.count(False) == len(lengths)
