@@ -599,14 +599,14 @@ def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
     skip_plain = (priced is not None and share is not None
                   and priced.pricing.whole_head_fails(priced.shapes, budget_bytes))
     plain, plain_error, stats = _plan_traced(module, traced, inputs, config, budget_bytes, device,
-                                             share, priced=priced, plan=not skip_plain)
+                                             share, priced=priced, search=not skip_plain)
     stretch = None
     if share is not None:
         stretch = (find_row_stretch(traced.graph_module) if priced is None
                    else priced.stretch(traced))
     if skip_plain and stretch is None:
-        plain, plain_error, stats = _plan_traced(module, traced, inputs, config, budget_bytes,
-                                                 device, share, priced=priced)
+        plain, plain_error, _ = _plan_traced(module, traced, inputs, config, budget_bytes,
+                                             device, share, priced=priced, profiled=stats)
         skip_plain = False
     if priced is not None and plain is None and plain_error is not None and \
             stretch is not None and budget_bytes is not None:
@@ -634,7 +634,7 @@ def _plan_both(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
         chunked, chunked_error = None, None
     if chunked is None and skip_plain:
         plain, plain_error, _ = _plan_traced(module, traced, inputs, config, budget_bytes, device,
-                                             share, priced=priced)
+                                             share, priced=priced, profiled=stats)
     if chunked is None:
         if plain is None:
             assert plain_error is not None
@@ -663,20 +663,22 @@ def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
                  config: ApplyConfig, budget_bytes: int | None, device: DeviceBudget | None,
                  share: ProfileShare | None, head: ChunkedHead | None = None,
                  head_forward_flops: int = 0, priced: _Pricing | None = None,
-                 plan: bool = True
+                 search: bool = True, profiled: Profile | None = None
                  ) -> tuple[GraphPlan | None, InfeasibleBudgetError | None, Profile]:
     """Profile and plan one graph; an infeasible budget is returned, not raised, so that
     the caller can try the graph with the head in chunks (``head``, whose stretch's forward
     costs ``head_forward_flops``). With ``priced``, the profile is a formula's evaluation
     where one holds (NOTE [ One profile for every shape ] in
-    :mod:`autockpt.profiling.symbolic`). ``plan=False``: the profile alone (no plan, no
-    error)."""
-    if priced is None or config.cost == "profile":
+    :mod:`autockpt.profiling.symbolic`). ``search=False``: the profile alone (no plan, no
+    error); ``profiled``: the graph's profile, already taken."""
+    if profiled is not None:
+        stats = profiled
+    elif priced is None or config.cost == "profile":
         stats = profile(traced, inputs, loss_fn=config.loss_fn, share=share)
     else:
         stats = priced.profile(traced, inputs, config.loss_fn, share,
                                None if head is None else head.chunks)
-    if not plan:
+    if not search:
         return None, None, stats
     if head is not None:
         # The chunked node's FLOPs are the stretch's forward and backward: the model's

@@ -1,14 +1,16 @@
 """The profiler's shortcuts give what its probes measure.
 
 NOTE [ Backwards known without a probe ], NOTE [ One forward for the node and its probe ] and
-the in-place rule of NOTE [ Probing without copies ] in autockpt/profiling/profile.py skip work; here
-each shortcut is turned off and the profile of the same graph must come out the same, node
-for node.
+the in-place rule of NOTE [ Probing without copies ] in autockpt/profiling/profile.py skip
+work; here each shortcut is turned off and the profile of the same graph must come out the
+same, node for node.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -147,6 +149,38 @@ def test_planning_pauses_the_collector_and_restores_it() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_planning_collects_only_what_it_made_and_keeps_a_users_frozen_objects() -> None:
+    """The objects that existed before a plan are set aside while it runs (its last scan
+    walks only what it made) and handed back after; a process that froze objects itself
+    keeps them frozen."""
+    from autockpt.planning.gc import paused
+
+    counts: list[int] = []
+    with paused():
+        counts.append(gc.get_freeze_count())
+        cycle: list[Any] = []
+        cycle.append(cycle)  # garbage the scan at the end must still find
+        probe = weakref.ref(_Node(cycle))
+        del cycle
+    assert counts[0] > 0 and gc.get_freeze_count() == 0 and gc.isenabled()
+    assert probe() is None
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        net = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        autockpt.plan(net, (torch.randn(4, 8),))
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
+
+
+class _Node:
+    """A weak-referenceable object held by a reference cycle."""
+
+    def __init__(self, cycle: list[Any]) -> None:
+        cycle.append(self)
 
 
 @pytest.mark.parametrize("tied", [False, True])
