@@ -54,6 +54,7 @@ torch whether two sizes are equal would itself guard), is not remembered.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -100,8 +101,8 @@ def _key_of(value: Any, parts: list[Any], fakes: list[FakeTensor]) -> None:
             parts.append((value.shape, value.stride(), value.dtype, value.storage_offset(),
                           value.fake_device))
         else:  # NOTE [ Remembered ops on symbolic sizes ]
-            parts.append((id(env), _exprs(value.shape), _exprs(value.stride()), value.dtype,
-                          _expr(value.storage_offset()), value.fake_device))
+            parts.append((_env_key(env), _exprs(value.shape), _exprs(value.stride()),
+                          value.dtype, _expr(value.storage_offset()), value.fake_device))
     elif kind in _PLAIN:
         parts.append((kind, value))
     elif kind is torch.SymInt:
@@ -112,6 +113,18 @@ def _key_of(value: Any, parts: list[Any], fakes: list[FakeTensor]) -> None:
             _key_of(item, parts, fakes)
     else:
         raise _Unkeyable
+
+
+_ENV_KEYS = itertools.count()
+
+
+def _env_key(env: Any) -> int:
+    """A number for ``env`` never given to another (an ``id`` is reused once its object is
+    gone, and an entry whose outputs hold no symbol keeps no reference to it)."""
+    key = env.__dict__.get("_autockpt_memo_key")
+    if key is None:
+        key = env.__dict__["_autockpt_memo_key"] = next(_ENV_KEYS)
+    return key
 
 
 def _expr(size: Any) -> Any:
