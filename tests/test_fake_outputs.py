@@ -294,3 +294,17 @@ def test_a_symbolic_profile_is_the_same_with_and_without_the_memo(
     assert memo.hits > 0
     assert found[0] == found[1]
     assert found[0][0] is not None and found[0][1] is not None
+
+
+def test_ops_on_symbolic_sizes_are_kept_with_their_shape_env() -> None:
+    """NOTE [ Remembered ops on symbolic sizes ]: the memo itself holds no entry whose sizes
+    would keep a profile's ShapeEnv alive as long as the memo; the env holds them."""
+    memo = FakeOutputs()
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env, static_shapes=True):
+        b, t = _symbolic_sizes(env, 4, 6)
+        x = torch.empty(b, t)
+        for _ in range(2):
+            memo.run(aten.mul.Tensor, (x, x), {}, lambda: (aten.mul.Tensor(x, x), 0))
+    assert memo.hits == 1 and not memo._entries
+    assert len(env.__dict__["_autockpt_fake_outputs"]) == 1

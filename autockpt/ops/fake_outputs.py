@@ -43,18 +43,19 @@ A profile on symbolic sizes (NOTE [ One profile for every shape ] in
 autockpt/profiling/symbolic.py) pays most for the fake runs themselves: every size an
 expression, every check of one a question to the ``ShapeEnv``, and FakeTensorMode's cache hit
 costs more than a millisecond there. The memo keys such an op by its arguments' size
-expressions and their ``ShapeEnv`` (one profile's symbols mean nothing in another's), and keeps
-the first run's output sizes, which are expressions of the same symbols. A second call with the
-same expressions would compute the same sizes and record the same guards, which the first
-already recorded; the outputs are made with guards suppressed, as FakeTensorMode makes its
-cached ones. An output whose storage is not the size its shape needs, as polynomials (asking
-torch whether two sizes are equal would itself guard), is not remembered.
+expressions within their ``ShapeEnv`` (one profile's symbols mean nothing in another's), and
+keeps the first run's output sizes, which are expressions of the same symbols. A second call
+with the same expressions would compute the same sizes and record the same guards, which the
+first already recorded; the outputs are made with guards suppressed, as FakeTensorMode makes
+its cached ones. Such entries are kept on the ``ShapeEnv`` itself, not in the memo: their
+sizes hold the env, which would otherwise live as long as the memo; there they die with it.
+An output whose storage is not the size its shape needs, as polynomials (asking torch whether
+two sizes are equal would itself guard), is not remembered.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -101,8 +102,8 @@ def _key_of(value: Any, parts: list[Any], fakes: list[FakeTensor]) -> None:
             parts.append((value.shape, value.stride(), value.dtype, value.storage_offset(),
                           value.fake_device))
         else:  # NOTE [ Remembered ops on symbolic sizes ]
-            parts.append((_env_key(env), _exprs(value.shape), _exprs(value.stride()),
-                          value.dtype, _expr(value.storage_offset()), value.fake_device))
+            parts.append((_exprs(value.shape), _exprs(value.stride()), value.dtype,
+                          _expr(value.storage_offset()), value.fake_device))
     elif kind in _PLAIN:
         parts.append((kind, value))
     elif kind is torch.SymInt:
@@ -113,18 +114,6 @@ def _key_of(value: Any, parts: list[Any], fakes: list[FakeTensor]) -> None:
             _key_of(item, parts, fakes)
     else:
         raise _Unkeyable
-
-
-_ENV_KEYS = itertools.count()
-
-
-def _env_key(env: Any) -> int:
-    """A number for ``env`` never given to another (an ``id`` is reused once its object is
-    gone, and an entry whose outputs hold no symbol keeps no reference to it)."""
-    key = env.__dict__.get("_autockpt_memo_key")
-    if key is None:
-        key = env.__dict__["_autockpt_memo_key"] = next(_ENV_KEYS)
-    return key
 
 
 def _expr(size: Any) -> Any:
@@ -206,7 +195,8 @@ class FakeOutputs:
         """False: every op runs (tests compare the two)."""
 
     def clear(self) -> None:
-        """Forget every op."""
+        """Forget every op on plain sizes (those on symbolic sizes are kept with their
+        ``ShapeEnv``)."""
         self._entries.clear()
 
     def _remembers(self, func: Any) -> bool:
@@ -236,16 +226,20 @@ class FakeOutputs:
         except _Unkeyable:
             return (*call(), False)
         key = tuple(parts)
-        entry = self._entries.get(key, False)
+        env = fakes[0].fake_mode.shape_env if fakes else None
+        # NOTE [ Remembered ops on symbolic sizes ]: kept with their ShapeEnv, gone with it.
+        entries = self._entries if env is None else env.__dict__.setdefault(
+            "_autockpt_fake_outputs", {})
+        entry = entries.get(key, False)
         if entry is None:
             return (*call(), False)
         if entry is not False and (entry[2] is not None or not counted):
             self.hits += 1
             return _made(fakes, entry), entry[2] or 0, True
         out, flops = call()
-        if len(self._entries) >= MAX_ENTRIES:
-            self._entries.clear()
-        self._entries[key] = _entry_of(out, fakes, flops if counted else None)
+        if len(entries) >= MAX_ENTRIES:
+            entries.clear()
+        entries[key] = _entry_of(out, fakes, flops if counted else None)
         return out, flops, False
 
 
