@@ -168,10 +168,10 @@ def test_planning_collects_only_what_it_made_and_keeps_a_users_frozen_objects() 
     assert probe() is None
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
         net = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
         autockpt.plan(net, (torch.randn(4, 8),))
-        assert gc.get_freeze_count() >= frozen
+        # Still frozen (frozen objects that die leave the count, so it only shrinks a little).
+        assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
 

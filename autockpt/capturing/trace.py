@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-import weakref
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -259,8 +258,12 @@ def shallow_view(module: nn.Module, cls: type[nn.Module] | None = None) -> nn.Mo
 
 
 # Keyed by the forward function itself, so a forward patched onto the class later (kernel
-# libraries replace a model class's forward) gets its own entry.
-_SIGNATURES: weakref.WeakKeyDictionary[Any, inspect.Signature] = weakref.WeakKeyDictionary()
+# libraries replace a model class's forward) gets its own entry. A plain dict, not a weak one:
+# torch.compile traces through this lookup and guards on the position of the forward among the
+# keys, which a weak dict shifts whenever a dead class's forward is collected (planning collects
+# at its end: "list index out of range" while building the guards). It holds a signature per
+# forward function ever bound, a few hundred bytes each.
+_SIGNATURES: dict[Any, inspect.Signature] = {}
 
 
 def forward_signature(cls: type[nn.Module]) -> inspect.Signature:
@@ -274,7 +277,7 @@ def forward_signature(cls: type[nn.Module]) -> inspect.Signature:
     forward = cls.forward
     try:
         return _SIGNATURES[forward]
-    except (KeyError, TypeError):  # TypeError: an object weakref cannot point to
+    except (KeyError, TypeError):  # TypeError: a forward that does not hash
         signature = inspect.signature(forward)
     try:
         _SIGNATURES[forward] = signature
