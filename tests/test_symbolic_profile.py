@@ -31,7 +31,7 @@ from autockpt.planning.head import chunked_head, find_row_stretch
 from autockpt.profiling.loss import LossFn
 from autockpt.profiling.profile import ProfileShare, profile
 from autockpt.profiling.stats import Profile
-from autockpt.profiling.symbolic import ShapeFormula, SymbolicInputs, formula_of
+from autockpt.profiling.symbolic import ShapeFormula, SymbolicInputs, formula_of, larger
 from autockpt.running.head import chunk_rows
 from tests.zoo import get_case
 
@@ -334,3 +334,35 @@ def test_a_branch_on_a_size_holds_on_its_side_only(profiled: int, same_side: lis
     assert_equal_at(case, formula, calls)
     for length in other_side:
         assert case.evaluated(formula, ids_call(3, length))[0] is None, length
+
+
+def test_larger_keeps_only_the_sizes_no_other_bounds() -> None:
+    """NOTE [ The larger of two sizes, without comparing them ]: a running peak over working
+    sets that only grew is the last of them, not a ``Max`` of all; two that neither bounds
+    both stay; at every shape the value is the largest of all, and no guard is recorded."""
+    symbolic = SymbolicInputs([torch.zeros(4, 37)])
+    fake = symbolic.fake(torch.zeros(4, 37))
+    batch, length = fake.shape
+    env = symbolic.shape_env
+    guards = len(env.guards)
+    quadratic = 144 * batch * length * length + 12288 * batch * length + 4096
+    linear = 80 * batch * length * length + 16384 * batch * length
+    peak: Any = 0
+    candidates = [linear + i * length for i in range(20)] + [quadratic, 7]
+    for candidate in candidates:
+        peak = larger(peak, candidate)
+    expr = peak.node.expr
+    assert len(expr.args) == 2, expr  # the last linear one and the quadratic one
+    assert larger(peak, linear) is peak  # below one of them at every shape
+    bigger = linear + 100 * length
+    assert larger(bigger, linear) is bigger
+    grown = larger(linear, linear + length)
+    assert grown.node.expr == (linear + length).node.expr  # no Max at all
+    for b, n in [(2, 2), (4, 37), (3, 63), (8, 64), (16, 500)]:
+        values = {batch.node.expr: b, length.node.expr: n}
+        every = max(int(c.node.expr.xreplace(values)) if isinstance(c, torch.SymInt) else c
+                    for c in candidates)
+        assert int(expr.xreplace(values)) == every, (b, n)
+    assert peak.node.hint == max(c.node.hint if isinstance(c, torch.SymInt) else c
+                                 for c in candidates)
+    assert len(env.guards) == guards

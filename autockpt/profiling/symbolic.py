@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,6 +40,7 @@ import torch
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.utils._sympy.functions import Max
 from torch.utils._sympy.printers import PythonPrinter
 
 from autockpt.profiling.stats import Profile
@@ -48,17 +50,83 @@ __all__ = ["SymbolicInputs", "ShapeFormula", "formula_of", "larger", "same"]
 Shapes = tuple[tuple[int, ...], ...]
 
 
+# NOTE [ The larger of two sizes, without comparing them ]
+# A node's peak is the largest of the working sets its ops reach, one ``larger`` per output
+# of every op. Of symbolic sizes a ``torch.sym_max`` holds at every shape, but a chain of
+# them grows into one ``Max`` of every working set the node reached: sympy compares each new
+# argument with the others (a millisecond and more per call once there are dozens), and the
+# ShapeEnv's ``simplify`` of the profile's numbers compares them all again (together about a
+# third of a symbolic profile). Most of those arguments are below another at every shape:
+# a working set that only grew since (``live - freed`` between two releases). Where the
+# difference of two expressions is a polynomial in the sizes with no negative coefficient,
+# the first is at least the second at every shape (sizes are not negative), which
+# ``_at_least`` reads off the difference's terms without asking sympy to prove anything. So
+# ``larger`` keeps of the ``Max`` only the arguments no other one is known to be above: the
+# same value at every shape, of a handful of arguments, no guard recorded. Two that neither
+# bounds (``144*s1**2 + 12288*s1`` against ``80*s1**2 + 16384*s1``) both stay.
+
+
 def larger(a: Any, b: Any) -> Any:
     """``max(a, b)``; of symbolic sizes, their symbolic maximum, which holds at every shape,
-    where ``max`` would compare them at the profiled one and guard on the answer.
+    where ``max`` would compare them at the profiled one and guard on the answer (NOTE [ The
+    larger of two sizes, without comparing them ]).
 
     Example:
         >>> larger(3, 5)
         5
     """
-    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        return torch.sym_max(a, b)
-    return max(a, b)
+    if not (isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt)):
+        return max(a, b)
+    ea, eb = _expr(a), _expr(b)
+    parts = ea.args if isinstance(ea, Max) else (ea,)
+    if any(_at_least(part, eb) for part in parts):
+        return a
+    kept = tuple(part for part in parts if not _at_least(eb, part))
+    if not kept:
+        return b
+    # Built as it stands: sympy's own ``Max`` would compare the arguments again. What was
+    # dropped is below ``b``, so the hint (the value at the profiled sizes) is the larger one.
+    node = (a if isinstance(a, torch.SymInt) else b).node
+    expr = Max(*kept, eb, evaluate=False)
+    return torch.SymInt(type(node)(expr, node.shape_env, int, max(_hint(a), _hint(b))))
+
+
+def _expr(value: Any) -> sympy.Expr:
+    return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
+
+
+def _hint(value: Any) -> int:
+    return int(value.node.hint) if isinstance(value, torch.SymInt) else int(value)
+
+
+@functools.lru_cache(maxsize=8192)
+def _terms(expr: sympy.Expr) -> dict[sympy.Expr, Any]:
+    return dict(expr.as_coefficients_dict())
+
+
+@functools.lru_cache(maxsize=8192)
+def _at_least(x: sympy.Expr, y: sympy.Expr) -> bool:
+    """Whether ``x >= y`` at every size, read off the terms of ``x - y``: true where it is a
+    polynomial in the sizes without a negative coefficient (NOTE [ The larger of two sizes,
+    without comparing them ]); false where that does not show it."""
+    tx, ty = _terms(x), _terms(y)
+    for term in (*tx, *(t for t in ty if t not in tx)):
+        difference = tx.get(term, 0) - ty.get(term, 0)
+        if difference != 0 and (difference < 0 or not (term == 1 or _monomial(term))):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=8192)
+def _monomial(term: sympy.Expr) -> bool:
+    """Whether ``term`` is a product of powers of non-negative symbols (sizes)."""
+    factors = term.args if isinstance(term, sympy.Mul) else (term,)
+    for factor in factors:
+        base, exponent = factor.as_base_exp()
+        if not (base.is_Symbol and base.is_nonnegative and exponent.is_Integer
+                and exponent > 0):
+            return False
+    return True
 
 
 def same(a: Any, b: Any) -> bool:
