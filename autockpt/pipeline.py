@@ -451,17 +451,21 @@ class _Pricing:
         self.plain: ShapeFormula | None = None
         self.note: str | None = None
         """How the last profile was had, where it was not a profile of the call's shape."""
+        self.by_formula = False
+        """Whether the last profile was a formula's evaluation."""
 
     def profile(self, traced: TracedModel, inputs: dict[str, Any], loss_fn: LossFn | None,
                 share: ProfileShare | None, chunks: int | None) -> Profile:
         """The profile of ``traced`` (``chunks``: its head in that many chunks) at the call's
         shapes: evaluated, profiled symbolically, or profiled."""
         pricing = self.pricing
+        self.by_formula = False
         description = describe_inputs((), {n: inputs[n] for n in traced.spec.param_names})
         for formula in pricing.formulas.get(chunks, ()):
             found = formula.at(self.shapes, description)
             if found is not None:
                 pricing.evaluated += 1
+                self.by_formula = True
                 self.note = ("priced by evaluating the profile taken on symbolic sizes: no "
                              "profile ran for this shape (docs/shapes.md)")
                 if chunks is None:
@@ -694,7 +698,10 @@ def _plan_traced(module: nn.Module, traced: TracedModel, inputs: dict[str, Any],
             for node in stats.nodes))
     try:
         with _whole_device(device):
-            plan = _planned(module, traced, inputs, stats, config, budget_bytes)
+            # NOTE [ The least reachable of a budget met with room ] in
+            # autockpt.planning.planner: a shape priced by evaluation must plan in little time.
+            plan = _planned(module, traced, inputs, stats, config, budget_bytes,
+                            exact_least=priced is None or not priced.by_formula)
     except InfeasibleBudgetError as err:
         return None, err, stats
     priced_note = () if priced is None or priced.note is None else (priced.note,)
@@ -715,15 +722,17 @@ time under a budget lowered by the excess, before the least-memory plan is tried
 
 
 def _planned(module: nn.Module, traced: TracedModel, inputs: dict[str, Any], stats: Profile,
-             config: ApplyConfig, budget_bytes: int | None) -> Plan:
+             config: ApplyConfig, budget_bytes: int | None, exact_least: bool = True) -> Plan:
     """The plan for ``budget_bytes`` on a graph rung (in reentrant mode replayed, see
-    :func:`_replanned`)."""
+    :func:`_replanned`); ``exact_least``: as :func:`~autockpt.planning.planner.make_plan`
+    takes it."""
     overhead = plan_overhead(module, inputs, timed=config.cost == "profile")
 
     def planned_for(budget: int | None) -> Plan:
         return make_plan(stats, budget, strategy=config.strategy, mode=config.mode,
                          model=base_class(module).__name__,
-                         grad_accumulation=config.grad_accumulation, overhead=overhead)
+                         grad_accumulation=config.grad_accumulation, overhead=overhead,
+                         exact_least=exact_least)
 
     if config.mode != "reentrant":
         return planned_for(budget_bytes)

@@ -143,9 +143,10 @@ def test_a_head_too_large_at_a_smaller_length_is_not_searched_whole_again(
     searched: list[bool] = []
     real = pipeline._planned
 
-    def counted(module: Any, traced: Any, inputs: Any, stats: Any, *rest: Any) -> Any:
+    def counted(module: Any, traced: Any, inputs: Any, stats: Any, *rest: Any,
+                **options: Any) -> Any:
         searched.append(any(n.target == "chunked_rows" for n in stats.nodes))
-        return real(module, traced, inputs, stats, *rest)
+        return real(module, traced, inputs, stats, *rest, **options)
 
     monkeypatch.setattr(pipeline, "_planned", counted)
     model = autockpt.apply(copy.deepcopy(net), budget_mb=budget_bytes / MIB)
