@@ -447,6 +447,13 @@ def _sqrt(chain: Chain, budget: int | None, mode: str, nesting: bool
     return (as_tree(ranges) if budget is None or peak <= budget else None), peak, NO_KEEPS
 
 
+def _prices_agree(chain: Chain) -> bool:
+    """Whether the programme's price of every plan is its estimate: without long-lived or
+    passing storages (NOTE [ Storages held by the plan ] in
+    :mod:`autockpt.planning.memory_model`)."""
+    return not (chain.long_lived or chain.passing)
+
+
 def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool, *,
              exact_least: bool = True) -> tuple[Tree | None, int, Keeps]:
     """The least recompute under the budget, each non-reentrant segment keeping its matmuls or
@@ -464,7 +471,7 @@ def _optimal(chain: Chain, budget: int | None, mode: str, nesting: bool, *,
     # fits, and ``min_peak`` is that plan's estimate, so that asking for it succeeds.
     # Without long-lived or passing storages the two agree on every plan: the programme's
     # least peak, found without a frontier, is the least estimate, and nothing to descend.
-    agree = not (chain.long_lived or chain.passing)
+    agree = _prices_agree(chain)
     least_ranges: Ranges = ()
     if budget is not None and agree:
         programme_least = min_peak = least_peak(chain, mode)
@@ -583,7 +590,8 @@ def make_plan(
     chain = build_chain(profile, grad_accumulation=grad_accumulation, overhead=overhead)
     baseline = estimate_peak(chain, (), mode)
     choose = STRATEGIES[strategy]
-    if choose is _optimal and not exact_least:
+    quick_least = not exact_least and choose is _optimal
+    if quick_least:
         tree, min_peak, keeps = _optimal(chain, budget_bytes, mode, nesting, exact_least=False)
     else:
         tree, min_peak, keeps = choose(chain, budget_bytes, mode, nesting)
@@ -606,8 +614,7 @@ def make_plan(
     if tree_depth(tree) > 1:
         notes.append("segments numbered like 2.1 are checkpointed again inside the recompute "
                      "of the segment they belong to: their nodes run forward three times")
-    if choose is _optimal and not exact_least and budget_bytes is not None and \
-            (chain.long_lived or chain.passing):
+    if quick_least and budget_bytes is not None and not _prices_agree(chain):
         notes.append(LEAST_FOUND_NOTE)
     if not tree:
         if budget_bytes is not None and baseline <= budget_bytes:
