@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,8 +39,8 @@ from autockpt.errors import AutockptError, BudgetWarning, InvalidArgumentError
 
 # Modules pickled before the pipeline existed name autockpt.runtime.ApplyConfig.
 from autockpt.pipeline import ApplyConfig, BlockPlan
-from autockpt.planning.buckets import (REPLAN_AFTER, choose, covering, target_shapes,
-                                       varying_dims)
+from autockpt.planning.buckets import (choose, covering, plan_pays, recompute_seconds,
+                                       target_shapes, varying_dims)
 from autockpt.planning.planner import Plan
 from autockpt.profiling.blocks import ModuleProfile
 from autockpt.running.blocks import install
@@ -123,12 +124,23 @@ class _Variant:
 
 
 @dataclass
+class _StandIn:
+    """A call run by a larger plan than its bucket's: where what it recomputes is counted
+    (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`)."""
+
+    family: _Family
+    bucket: Shapes
+
+
+@dataclass
 class _Family:
     """The calls of one input structure (:func:`structure_key`): the graphs captured for
     them, the plans priced for their shapes, and the programs those plans compiled to."""
 
     first: Shapes | None = None
     """The shapes of the structure's first call."""
+    largest: Shapes | None = None
+    """The largest size met in each dimension (of any call, not necessarily of one)."""
     varying: tuple[tuple[int, int], ...] = ()
     """``(tensor, dimension)`` of each size seen to differ from the first call's."""
     graphs: list[TracedModel | NoGraph] = field(default_factory=list)
@@ -138,13 +150,22 @@ class _Family:
     """One per priced shape, in the order they were made."""
     programs: dict[tuple[Any, ...], tuple[int, Program]] = field(default_factory=dict)
     """``(variant id, program)`` by graph and segments: compiled once per distinct plan."""
-    hits: dict[Shapes, int] = field(default_factory=dict)
-    """How many calls of each bucket without a plan of its own ran a larger plan."""
+    recomputed: dict[Shapes, float] = field(default_factory=dict)
+    """By bucket without a plan of its own: the seconds the larger plans that ran its calls
+    are estimated to have recomputed (NOTE [ Buckets of shapes ] in
+    :mod:`autockpt.planning.buckets`)."""
+    plan_seconds: float | None = None
+    """What the structure's last plan took to make (profile, search, compile)."""
+    capture_seconds: float = 0.0
+    """What the plan being made spent capturing a graph (left out of :attr:`plan_seconds`)."""
     pricing: dict[int, pipeline.ShapePricing] = field(default_factory=dict)
     """By graph (its index in :attr:`graphs`): its profile at every shape (NOTE [ Pricing
     every shape of a shared graph ] in :mod:`autockpt.pipeline`)."""
 
     def see(self, shapes: Shapes) -> None:
+        self.largest = shapes if self.largest is None else tuple(
+            tuple(max(a, b) for a, b in zip(mine, theirs))
+            for mine, theirs in zip(self.largest, shapes))
         if self.first is None:
             self.first = shapes
             return
@@ -208,13 +229,20 @@ class RuntimeState:
         plans of its input structure, else priced and compiled (``stated``: the call is the
         largest the user will send, NOTE [ Buckets of shapes ] in
         :mod:`autockpt.planning.buckets`)."""
+        variant, arguments, _ = self.find(module, args, kwargs, stated=stated)
+        return variant, arguments
+
+    def find(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             *, stated: bool = False) -> tuple[_Variant, dict[str, Any], _StandIn | None]:
+        """:meth:`variant_for`, and where a larger plan stands in for the call's bucket, the
+        account its recompute goes to (:meth:`count_recompute`)."""
         arguments = bind_inputs(module, args, kwargs)
         key = signature_key(arguments)
         variant = self.variants.get(key)
         if variant is not None and variant.ready and not stated:
             self.variants.move_to_end(key)
             self.last_plan = variant.plan
-            return variant, arguments
+            return variant, arguments, None
         with self._lock:
             variant = self.variants.get(key)
             if variant is None or not variant.ready or stated:
@@ -225,14 +253,23 @@ class RuntimeState:
                 else:
                     variant, standing_in = self._for_shape(module, args, kwargs, arguments, key,
                                                            stated)
-                    if standing_in:
+                    if standing_in is not None:
                         # A larger plan standing in for this shape's bucket: the next call of
                         # the shape counts towards the bucket's own plan again.
                         self.last_plan = variant.plan
-                        return variant, arguments
+                        return variant, arguments, standing_in
                 self._remember(key, variant)
             self.last_plan = variant.plan
-            return variant, arguments
+            return variant, arguments, None
+
+    def count_recompute(self, standing_in: _StandIn, plan: Plan, forward_seconds: float
+                        ) -> None:
+        """Add to a bucket's account what ``plan``, standing in for it, recomputed in a step
+        whose forward took ``forward_seconds`` (NOTE [ Buckets of shapes ])."""
+        spent = recompute_seconds(forward_seconds, plan.recompute_flops, plan.forward_flops)
+        with self._lock:
+            account = standing_in.family.recomputed
+            account[standing_in.bucket] = account.get(standing_in.bucket, 0.0) + spent
 
     def replan_for_hooks(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                          arguments: dict[str, Any], stale: _Variant) -> _Variant:
@@ -279,13 +316,14 @@ class RuntimeState:
 
     def _for_shape(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                    arguments: dict[str, Any], key: tuple[Any, ...], stated: bool
-                   ) -> tuple[_Variant, bool]:
+                   ) -> tuple[_Variant, _StandIn | None]:
         """The plan of the call's structure that serves its shape, or a new one priced at its
-        bucket (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`), and whether
-        it only stands in for the bucket's own plan (a larger one)."""
+        bucket (NOTE [ Buckets of shapes ] in :mod:`autockpt.planning.buckets`), and where it
+        only stands in for the bucket's own plan (a larger one), the bucket's account."""
         family = self.families.setdefault(structure_key(arguments), _Family())
         shapes = tensor_shapes(arguments)
         family.see(shapes)
+        cover: int | None = None
         if not stated:
             # Each graph checked once: plans share their structure's few graphs.
             runs = {id(g): _runs_at(g, arguments) for g in family.graphs}
@@ -293,14 +331,15 @@ class RuntimeState:
             index = choose([v.priced for v in usable], [v.stated for v in usable], shapes,
                            family.varying)
             if index is not None:
-                return usable[index], False
-            # NOTE [ Buckets of shapes ]: a larger plan serves a bucket met only once or so.
+                return usable[index], None
+            # NOTE [ Buckets of shapes ]: a larger plan serves a bucket until its own pays.
             cover = covering([v.priced for v in usable], shapes)
             if cover is not None:
                 bucket = target_shapes(shapes, family.varying)
-                family.hits[bucket] = family.hits.get(bucket, 0) + 1
-                if family.hits[bucket] < REPLAN_AFTER:
-                    return usable[cover], True
+                if not plan_pays(family.recomputed.get(bucket, 0.0), family.plan_seconds):
+                    return usable[cover], _StandIn(family, bucket)
+                family.recomputed.pop(bucket, None)
+        beyond: Shapes | None = None
         target = _stated_target(self.config.max_shapes, arguments, shapes)
         if target is not None:
             stated = True
@@ -308,16 +347,34 @@ class RuntimeState:
             target = shapes
         else:
             target = target_shapes(shapes, family.varying)
+            if cover is None and family.largest is not None:
+                # NOTE [ Buckets of shapes ]: a call larger than every plan is planned at the
+                # largest size met in each dimension, so that the calls to come, smaller in
+                # some dimension and larger in another, find a plan that keeps their budget.
+                beyond = target_shapes(family.largest, family.varying)
+        # A size the model fixes (a branch on it), a combination of sizes it refuses, or a
+        # budget only the call's own size meets: the next smaller target.
+        targets = [t for i, t in enumerate((beyond, target, shapes))
+                   if t is not None and t not in (beyond, target, shapes)[:i]]
+        start = time.perf_counter()
         try:
-            return self._price(module, args, kwargs, arguments, key, family, shapes, target,
-                               stated), False
-        except Exception:
-            if target == shapes:
-                raise
-            # A size the model fixes (a branch on it), or a budget only the call's own size
-            # meets: its own shape, as a plan for one signature.
-            return self._price(module, args, kwargs, arguments, key, family, shapes, shapes,
-                               False), False
+            for at in targets:
+                try:
+                    variant = self._price(module, args, kwargs, arguments, key, family, shapes,
+                                          at, stated and at == target)
+                except Exception:
+                    if at == targets[-1]:
+                        raise
+                    continue
+                if at == beyond and at != target:
+                    # Planned beyond the call's bucket: it stands in for the bucket's plan.
+                    return variant, _StandIn(family, target)
+                return variant, None
+            raise AssertionError("unreachable: the last target raises or returns")
+        finally:
+            # A capture is made once per structure: what a later plan costs is the rest.
+            family.plan_seconds = time.perf_counter() - start - family.capture_seconds
+            family.capture_seconds = 0.0
 
     def _price(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                arguments: dict[str, Any], key: tuple[Any, ...], family: _Family,
@@ -329,8 +386,14 @@ class RuntimeState:
             else resized_call(args, kwargs, arguments, target)
         graph = next((g for g in family.graphs
                       if _runs_at(g, arguments) and _runs_at(g, priced)), None)
+        if graph is None and any(_runs_at(g, arguments) for g in family.graphs):
+            # A capture at the call's shape would fix the same sizes as the graph that runs it.
+            raise AutockptError(f"the graph fixes a size of {_describe_shapes(arguments)}",
+                                fix="none needed: planned at a smaller shape")
         if graph is None:
+            start = time.perf_counter()
             graph = pipeline.capture_shared(module, args, kwargs, self.config)
+            family.capture_seconds += time.perf_counter() - start
             family.graphs.append(graph)
             if not _runs_at(graph, priced):
                 raise AutockptError(f"the graph fixes a size of {_describe_shapes(arguments)}",
@@ -531,10 +594,16 @@ class _CheckpointedMixin(CheckpointedForward):
         if not how.checked_grads:
             _warn_if_accumulating(module, how)
         kwargs = how.training_kwargs(module, args, kwargs)
-        variant, arguments = how.variant_for(module, args, kwargs)
+        variant, arguments, standing_in = how.find(module, args, kwargs)
         if (variant.plan.segments or variant.plan.chunked_head) and _hooked(variant):
             variant = how.replan_for_hooks(module, args, kwargs, arguments, variant)
-        return variant.run(module, args, kwargs, arguments)
+            standing_in = None
+        if standing_in is None:
+            return variant.run(module, args, kwargs, arguments)
+        start = time.perf_counter()
+        out = variant.run(module, args, kwargs, arguments)
+        how.count_recompute(standing_in, variant.plan, time.perf_counter() - start)
+        return out
 
     def _autockpt_run(self, variant_id: int, index: int, *inputs: Any) -> Any:
         state: RuntimeState = self.__dict__["_autockpt"]

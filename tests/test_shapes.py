@@ -20,7 +20,7 @@ from torch import nn
 
 import autockpt
 from autockpt import pipeline
-from autockpt.planning.buckets import (REPLAN_AFTER, bucket_size, choose, covering,
+from autockpt.planning.buckets import (bucket_size, choose, covering, plan_pays,
                                        target_shapes, varying_dims)
 from autockpt.planning.planner import LEAST_FOUND_NOTE
 from tests.helpers import assert_same_step, train_step
@@ -233,17 +233,80 @@ def test_a_bucket_met_once_runs_a_larger_plan(monkeypatch: pytest.MonkeyPatch) -
     model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
     model(torch.randn(2, 3, 64, 64)).sum().backward()
     first = autockpt.plan_of(model)
+    assert first.recompute_flops > 0
     model(torch.randn(2, 3, 30, 30)).sum().backward()
     assert autockpt.plan_of(model) is first and len(planned) == 1
-    for _ in range(REPLAN_AFTER - 1):
-        model(torch.randn(2, 3, 31, 31)).sum().backward()  # the same bucket, 32
+    family = next(iter(_state(model).families.values()))
+    # NOTE [ Buckets of shapes ]: what the larger plan recomputed is counted to the bucket.
+    spent = family.recomputed[((2, 3, 32, 32),)]
+    assert 0 < spent < family.plan_seconds
+    # A plan that would cost no more than what the bucket has paid so far is made.
+    family.plan_seconds = spent
+    model(torch.randn(2, 3, 31, 31)).sum().backward()  # the same bucket, 32
     assert len(planned) == 2 and "[2, 3, 32, 32]" in autockpt.plan_of(model).input_signature
+    assert ((2, 3, 32, 32),) not in family.recomputed
+
+
+def test_a_bucket_is_planned_once_its_recompute_pays_for_a_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Buckets of shapes ]: rent until renting has cost what buying would. Before each
+    call the bucket's account says whether it gets its own plan, and it does exactly then;
+    the account only grows until it does."""
+    planned = _planned(monkeypatch)
+    model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
+    model(torch.randn(2, 3, 64, 64)).sum().backward()
+    family = next(iter(_state(model).families.values()))
+    bucket = ((2, 3, 32, 32),)
+    spent = 0.0
+    for _ in range(5000):
+        pays = plan_pays(family.recomputed.get(bucket, 0.0), family.plan_seconds)
+        model(torch.randn(2, 3, 30, 30)).sum().backward()
+        assert (len(planned) == 2) == pays
+        if pays:
+            break
+        assert family.recomputed[bucket] > spent
+        spent = family.recomputed[bucket]
+    assert len(planned) == 2 and "[2, 3, 32, 32]" in autockpt.plan_of(model).input_signature
+    model(torch.randn(2, 3, 30, 30)).sum().backward()
+    assert len(planned) == 2  # the shape now has its plan
+
+
+def test_a_batch_larger_than_every_plan_is_planned_at_the_largest_sizes_met(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Buckets of shapes ]: where rows and sides both vary, a batch larger than every
+    plan is planned at the most rows and the largest side met so far, so a later batch with
+    more rows than one plan and a longer side than another finds a plan; each step trains as
+    the twin does."""
+    planned = _planned(monkeypatch)
+    torch.manual_seed(0)
+    net = ConvNet()
+    model = autockpt.apply(copy.deepcopy(net), budget_mb=None, loss_fn=image_loss)
+    twin = copy.deepcopy(net)
+    for step, (rows, side) in enumerate([(2, 32), (4, 24), (3, 30), (4, 32), (2, 20)]):
+        x = torch.randn(rows, 3, side, side)
+        assert_same_step(train_step(model, image_loss, (x,), seed=step),
+                         train_step(twin, image_loss, (x,), seed=step),
+                         what=f"{rows} x {side}: ")
+        if step == 1:
+            assert "[4, 3, 32, 32]" in autockpt.plan_of(model).input_signature
+    assert len(planned) == 2
+
+
+def test_a_larger_plan_that_recomputes_nothing_never_makes_way() -> None:
+    model = autockpt.apply(ConvNet(), budget_mb=1000.0, loss_fn=image_loss)
+    model(torch.randn(2, 3, 64, 64)).sum().backward()
+    first = autockpt.plan_of(model)
+    assert first.recompute_flops == 0
+    for _ in range(20):
+        model(torch.randn(2, 3, 30, 30)).sum().backward()
+    assert autockpt.plan_of(model) is first
+    assert _counts(model)[1] == 1
 
 
 def test_plans_with_the_same_segments_share_one_program() -> None:
     model = autockpt.apply(ConvNet(), budget_mb=1000.0, loss_fn=image_loss)
     for side in (16, 40, 24, 64, 33, 47):
-        for _ in range(REPLAN_AFTER):
+        for _ in range(2):
             model(torch.randn(2, 3, side, side)).sum().backward()
     _, plans, programs = _counts(model)
     assert plans >= 3 and programs == 1  # nothing checkpointed at any size
@@ -362,8 +425,10 @@ def test_a_shape_that_keeps_coming_gets_its_own_plan(monkeypatch: pytest.MonkeyP
     planned = _planned(monkeypatch)
     model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
     model(torch.randn(2, 3, 64, 64)).sum().backward()
-    for _ in range(REPLAN_AFTER + 2):
+    for _ in range(5000):
         model(torch.randn(2, 3, 30, 30)).sum().backward()
+        if len(planned) == 2:
+            break
     assert len(planned) == 2 and "[2, 3, 32, 32]" in autockpt.plan_of(model).input_signature
 
 
@@ -416,11 +481,15 @@ def test_later_shapes_are_priced_by_evaluating_one_symbolic_profile(
 def test_a_batch_of_one_gets_a_symbolic_profile_of_its_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A symbolic size stands for sizes of 2 or more (torch fixes 0 and 1, which broadcast):
-    a batch of one is profiled on symbolic sizes again, with the batch fixed at 1, and the
-    next batch of one is an evaluation of that."""
+    a run whose first batches have one row is profiled on symbolic sizes with the batch fixed
+    at 1 and the next batch of one is an evaluation of that; the first batch of two is
+    profiled on symbolic sizes again, and the next batch of two is an evaluation of that. (A
+    batch of one after larger ones is planned at the largest size met in each dimension,
+    NOTE [ Buckets of shapes ], so with two rows.)"""
     monkeypatch.setattr(pipeline, "SYMBOLIC_AFTER", 1)
     model = autockpt.apply(ConvNet(), budget_mb=None, loss_fn=image_loss)
-    for batch, side in [(2, 16), (2, 24), (2, 40), (1, 48), (1, 56)]:
+    # (The profile at one row holds up to a side of 25: a size threshold of the profile.)
+    for batch, side in [(1, 16), (1, 20), (1, 22), (2, 40), (2, 48)]:
         model(torch.randn(batch, 3, side, side)).sum().backward()
     (pricing,) = _pricing(model)
     assert (pricing.profiled, pricing.symbolic, pricing.evaluated) == (1, 2, 2)

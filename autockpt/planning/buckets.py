@@ -20,24 +20,36 @@ serves every smaller call; a bucket's plan serves the calls of its bucket and th
 calls whose own bucket it does not exceed.
 
 A plan costs a fake-tensor profile of the whole step (a few tenths of a second for a small
-transformer on a CPU), more than a training step of a small model. So a call whose bucket has
-no plan runs the least larger plan that covers it, if any (its budget holds; it recomputes
-more than its own bucket's plan would), and its bucket is planned when it has been met
-``REPLAN_AFTER`` times: a run plans the buckets it keeps meeting, and a bucket met once costs
-nothing. Only a call larger than every plan is planned at once, since no plan keeps its
-budget.
+transformer on a CPU) or an evaluation of one and a search (tens of milliseconds), as much as
+or more than a training step of a small model. So a call whose bucket has no plan runs the
+least larger plan that covers it, if any (its budget holds; it recomputes more than its own
+bucket's plan would), and its bucket gets a plan of its own once that pays, as a skier rents
+skis until renting has cost what buying would: each call run by a larger plan adds what that
+plan recomputed in it (the forward's measured seconds times the plan's recompute per forward
+FLOP, :func:`recompute_seconds`) to its bucket's account, at least what the bucket's own
+plan would have saved there (the least recompute that keeps the budget at the bucket's
+shape is no more than the larger plan's), and the bucket is planned when its account reaches
+what the last plan of its structure took to make (:func:`plan_pays`). A bucket met often is
+planned after a few calls, one met rarely never, and a run pays at most about twice the
+least it could for the buckets it meets. Only a call larger than every plan is planned at
+once, since no plan keeps its budget; it is planned at the largest size met in each
+dimension (each rounded up to its bucket), not at its own: where two sizes vary (rows and
+length, height and width) a plan at the call's own bucket leaves the next call, shorter but
+with more rows, larger than every plan again, while one at the largest of each serves every
+call of sizes met so far, and the call itself runs it as a stand-in for its bucket.
+
+Which plan serves a call thus depends on measured times and may differ between two runs of
+the same loop; its budget and its gradients do not. On a GPU a forward's seconds are the
+host's (kernels run asynchronously), fewer than the device's, so a bucket is planned later
+there, never sooner. ``example_inputs`` or ``max_shapes=`` make one plan serve every call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["REPLAN_AFTER", "Shapes", "bucket_size", "choose", "covering", "dominates",
-           "target_shapes", "varying_dims"]
-
-REPLAN_AFTER = 2
-"""How many calls of a bucket run a larger plan that covers them before the bucket gets its
-own (NOTE [ Buckets of shapes ])."""
+__all__ = ["Shapes", "bucket_size", "choose", "covering", "dominates", "plan_pays",
+           "recompute_seconds", "target_shapes", "varying_dims"]
 
 Shapes = tuple[tuple[int, ...], ...]
 """The sizes of each tensor of a call, in a fixed order."""
@@ -141,3 +153,29 @@ def _numel(dims: tuple[int, ...]) -> int:
     for size in dims:
         count *= size
     return count
+
+
+def recompute_seconds(forward_seconds: float, recompute_flops: int, forward_flops: int
+                      ) -> float:
+    """What a plan recomputing ``recompute_flops`` of a forward of ``forward_flops`` spent on
+    its recompute in a step whose forward took ``forward_seconds`` (NOTE [ Buckets of
+    shapes ]).
+
+    Example:
+        >>> recompute_seconds(0.3, 50, 100)
+        0.15
+    """
+    return forward_seconds * recompute_flops / forward_flops if forward_flops > 0 else 0.0
+
+
+def plan_pays(recomputed_seconds: float, plan_seconds: float | None) -> bool:
+    """Whether a bucket whose calls larger plans ran, recomputing ``recomputed_seconds`` in
+    all, should now get a plan of its own, one costing ``plan_seconds`` to make (``None``:
+    none made yet). NOTE [ Buckets of shapes ]: rent until renting has cost what buying
+    would.
+
+    Example:
+        >>> plan_pays(0.2, 0.5), plan_pays(0.6, 0.5), plan_pays(9.0, None)
+        (False, True, False)
+    """
+    return plan_seconds is not None and recomputed_seconds >= plan_seconds
