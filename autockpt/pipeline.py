@@ -356,9 +356,10 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 # about six plans profiled at their shapes (4.1 s against 0.5-0.75 s for a 6-layer GPT-2 and
 # its head in chunks on one CPU thread, measured 2026-12-07, after NOTE [ Remembered ops on
 # symbolic sizes ] in autockpt/ops/fake_outputs.py; eight before it): a run that meets few
-# buckets would pay more for it than it saves, and most
-# do (the loops of benchmarks/shapes.py make two to five plans in 12 to 36 batches of one
-# varying length or image side). So, as a skier rents until renting has cost what buying
+# buckets would pay more for it than it saves, and most do (the loops of
+# benchmarks/shapes.py make one or two plans in 8 to 12 batches of one varying length or
+# image side, two or three in 48 to 52 batches of two varying sizes, now that a bucket is
+# planned only once its recompute pays for a plan). So, as a skier rents until renting has cost what buying
 # would, a graph's first SYMBOLIC_AFTER plans are profiled at their shapes, as before, and
 # the next one on symbolic sizes: a run pays at most about twice the least planning time it
 # could have had, and one whose shapes keep coming (two sizes varying: rows and length,

@@ -32,9 +32,10 @@ made, and whether every loss of the loop equals that of ``none``.
 
 ``--new-shapes N`` runs each loop and then N more batches whose shapes keep coming (rows per
 batch drawn too, as a sampler that fills a token budget draws them; images of two sides) on
-autockpt alone, and reports, for the plans made once the graph's profile is known
-(evaluations of the profile taken on symbolic sizes), their planning time against the median
-step that planned nothing, and what the first batch of each new shape paid.
+autockpt alone, and reports what the first batch of each new shape after the first plan paid
+for planning against the median step that planned nothing (median, mean and largest; how
+many planned at all), the planning after the first plan against the whole loop, and the
+planning time of the plans priced by evaluating the profile taken on symbolic sizes.
 
 Timings on a shared machine are noisy: compare the ratios of one run.
 """
@@ -333,15 +334,17 @@ def new_shape_cost(name: str, extra: int, seed: int = 7) -> dict[str, Any]:
         pipeline._Pricing.profile = real  # type: ignore[method-assign]
     plain = statistics.median(r["step_s"] for r in rows if r["planning_s"] == 0)
     later = [r for r in rows if r["profiles"] == ["evaluated"]]
-    # The first batch of each shape after the graph's symbolic profile: what it paid beyond
-    # a batch of a known shape (nothing where a larger plan stands in for its bucket).
-    symbolic_at = next((i for i, r in enumerate(rows) if "symbolic" in r["profiles"]), len(rows))
-    seen: set[Any] = {r["shape"] for r in rows[:symbolic_at + 1]}
-    first_of_shape = []
-    for r in rows[symbolic_at + 1:]:
+    # Issue 40, item 6: the first batch of each new shape after the first plan, what it paid
+    # beyond a batch of a known shape: its planning against the median step that planned
+    # nothing, and against its own step's time without the planning (nothing where a plan
+    # made earlier serves it).
+    seen: set[Any] = {rows[0]["shape"]}
+    first_of_shape, against_own = [], []
+    for r in rows[1:]:
         if r["shape"] not in seen:
             seen.add(r["shape"])
             first_of_shape.append(r["planning_s"] / plain)
+            against_own.append(r["planning_s"] / max(r["step_s"] - r["planning_s"], 1e-9))
     return {
         "loop": name, "steps": len(rows), "known_step_s": round(plain, 4),
         "plans": sum(1 for r in rows if r["planning_s"] > 0),
@@ -352,9 +355,15 @@ def new_shape_cost(name: str, extra: int, seed: int = 7) -> dict[str, Any]:
         "evaluated_plan_vs_step": (round(statistics.median(r["planning_s"] for r in later)
                                          / plain, 3) if later else None),
         "new_shapes_after": len(first_of_shape),
+        "new_shapes_planned": sum(1 for x in first_of_shape if x > 0),
         "new_shape_extra_median": (round(statistics.median(first_of_shape), 3)
                                    if first_of_shape else None),
+        "new_shape_extra_mean": (round(statistics.mean(first_of_shape), 3)
+                                 if first_of_shape else None),
         "new_shape_extra_max": round(max(first_of_shape), 3) if first_of_shape else None,
+        "new_shape_extra_own_max": round(max(against_own), 3) if against_own else None,
+        "planning_after_first_vs_loop": round(
+            sum(r["planning_s"] for r in rows[1:]) / sum(r["step_s"] for r in rows[1:]), 3),
         "first_plans_s": [round(r["planning_s"], 2) for r in rows
                           if r["planning_s"] > 0 and r["profiles"] != ["evaluated"]],
     }
@@ -375,15 +384,20 @@ def main() -> None:
         found = [new_shape_cost(loop, args.new_shapes) for loop in args.loops]
         print(f"{'loop':5} {'steps':>5} {'known step s':>12} {'plans':>5} {'profiled':>8} "
               f"{'symbolic':>8} {'evaluated':>9} {'evaluated plan / step':>21} "
-              f"{'new shapes':>10} {'extra median':>12} {'extra max':>9}  first plans s")
+              f"{'new shapes':>10} {'planned':>7} {'extra median':>12} {'extra mean':>10} "
+              f"{'extra max':>9} {'planning / loop':>15}  plans s (not evaluated)")
         for r in found:
             ratio = r["evaluated_plan_vs_step"]
             median, most = r["new_shape_extra_median"], r["new_shape_extra_max"]
+            mean = r["new_shape_extra_mean"]
             print(f"{r['loop']:5} {r['steps']:>5} {r['known_step_s']:>12.3f} {r['plans']:>5} "
                   f"{r['profiled']:>8} {r['symbolic']:>8} {r['evaluated_plans']:>9} "
                   f"{'' if ratio is None else f'{ratio:.3f}':>21} "
-                  f"{r['new_shapes_after']:>10} {'' if median is None else f'{median:.3f}':>12} "
-                  f"{'' if most is None else f'{most:.3f}':>9}  {r['first_plans_s']}")
+                  f"{r['new_shapes_after']:>10} {r['new_shapes_planned']:>7} "
+                  f"{'' if median is None else f'{median:.3f}':>12} "
+                  f"{'' if mean is None else f'{mean:.3f}':>10} "
+                  f"{'' if most is None else f'{most:.3f}':>9} "
+                  f"{r['planning_after_first_vs_loop']:>15.3f}  {r['first_plans_s']}")
         _dump(args.json, found)
         return
     rows = [row for loop in args.loops for row in bench(loop, args.repeat)]
