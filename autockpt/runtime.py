@@ -39,8 +39,8 @@ from autockpt.errors import AutockptError, BudgetWarning, InvalidArgumentError
 
 # Modules pickled before the pipeline existed name autockpt.runtime.ApplyConfig.
 from autockpt.pipeline import ApplyConfig, BlockPlan
-from autockpt.planning.buckets import (choose, covering, plan_pays, recompute_seconds,
-                                       target_shapes, varying_dims)
+from autockpt.planning.buckets import (choose, covering, dominates, plan_pays,
+                                       recompute_seconds, target_shapes, varying_dims)
 from autockpt.planning.planner import Plan
 from autockpt.profiling.blocks import ModuleProfile
 from autockpt.running.blocks import install
@@ -156,6 +156,9 @@ class _Family:
     :mod:`autockpt.planning.buckets`)."""
     plan_seconds: float | None = None
     """What the structure's last plan took to make (profile, search, compile)."""
+    failed_beyond: list[Shapes] = field(default_factory=list)
+    """The largest sizes met at which a plan failed (a budget no plan meets there, a size the
+    graph fixes): no call larger than every plan is planned at sizes at least those again."""
     capture_seconds: float = 0.0
     """What the plan being made spent capturing a graph (left out of :attr:`plan_seconds`)."""
     pricing: dict[int, pipeline.ShapePricing] = field(default_factory=dict)
@@ -350,8 +353,11 @@ class RuntimeState:
             if cover is None and family.largest is not None:
                 # NOTE [ Buckets of shapes ]: a call larger than every plan is planned at the
                 # largest size met in each dimension, so that the calls to come, smaller in
-                # some dimension and larger in another, find a plan that keeps their budget.
-                beyond = target_shapes(family.largest, family.varying)
+                # some dimension and larger in another, find a plan that keeps their budget;
+                # not where a plan at sizes no larger failed (memory grows with every size).
+                largest = target_shapes(family.largest, family.varying)
+                if not any(dominates(largest, failed) for failed in family.failed_beyond):
+                    beyond = largest
         # A size the model fixes (a branch on it), a combination of sizes it refuses, or a
         # budget only the call's own size meets: the next smaller target.
         targets = [t for i, t in enumerate((beyond, target, shapes))
@@ -365,6 +371,8 @@ class RuntimeState:
                 except Exception:
                     if at == targets[-1]:
                         raise
+                    if at == beyond:
+                        family.failed_beyond.append(at)
                     continue
                 if at == beyond and at != target:
                     # Planned beyond the call's bucket: it stands in for the bucket's plan.

@@ -292,6 +292,25 @@ def test_a_batch_larger_than_every_plan_is_planned_at_the_largest_sizes_met(
     assert len(planned) == 2
 
 
+def test_largest_sizes_no_plan_meets_are_tried_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a budget no plan meets at 4 rows of side 32, which both varying sizes reach, a
+    batch larger than every plan is planned at its own bucket, and the largest sizes met are
+    not tried again for a later one: memory grows with every size."""
+    net = ConvNet()
+    least = {(rows, side): autockpt.plan(net, (torch.randn(rows, 3, side, side),),
+                                         loss_fn=image_loss).min_peak_bytes
+             for rows, side in [(2, 32), (4, 24), (3, 32), (4, 32)]}
+    budget_bytes = 2_500_000
+    assert max(least[2, 32], least[4, 24], least[3, 32]) <= budget_bytes < least[4, 32]
+    planned = _planned(monkeypatch)
+    model = autockpt.apply(net, budget_mb=budget_bytes / MIB, loss_fn=image_loss)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    model(torch.randn(4, 3, 24, 24)).sum().backward()  # (4, 32) meets no plan, then (4, 24)
+    assert len(planned) == 3 and "[4, 3, 24, 24]" in autockpt.plan_of(model).input_signature
+    model(torch.randn(3, 3, 30, 30)).sum().backward()  # larger than both plans: (3, 32) alone
+    assert len(planned) == 4 and "[3, 3, 32, 32]" in autockpt.plan_of(model).input_signature
+
+
 def test_a_larger_plan_that_recomputes_nothing_never_makes_way() -> None:
     model = autockpt.apply(ConvNet(), budget_mb=1000.0, loss_fn=image_loss)
     model(torch.randn(2, 3, 64, 64)).sum().backward()

@@ -36,7 +36,9 @@ once, since no plan keeps its budget; it is planned at the largest size met in e
 dimension (each rounded up to its bucket), not at its own: where two sizes vary (rows and
 length, height and width) a plan at the call's own bucket leaves the next call, shorter but
 with more rows, larger than every plan again, while one at the largest of each serves every
-call of sizes met so far, and the call itself runs it as a stand-in for its bucket.
+call of sizes met so far, and the call itself runs it as a stand-in for its bucket. Where
+no plan meets the budget at those sizes, the call is planned at its own bucket, and sizes at
+least those are not tried again.
 
 Which plan serves a call thus depends on measured times and may differ between two runs of
 the same loop; its budget and its gradients do not. On a GPU a forward's seconds are the
