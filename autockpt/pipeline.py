@@ -359,12 +359,13 @@ def make_any_plan(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 # buckets would pay more for it than it saves, and most do (the loops of
 # benchmarks/shapes.py make one or two plans in 8 to 12 batches of one varying length or
 # image side, two or three in 48 to 52 batches of two varying sizes, now that a bucket is
-# planned only once its recompute pays for a plan). So, as a skier rents until renting has cost what buying
-# would, a graph's first SYMBOLIC_AFTER plans are profiled at their shapes, as before, and
-# the next one on symbolic sizes: a run pays at most about twice the least planning time it
-# could have had, and one whose shapes keep coming (two sizes varying: rows and length,
-# height and width) pays an evaluation and a search per new plan from then on. The plans are
-# the same either way (an evaluation equals the profile); only the time differs.
+# planned only once its recompute pays for a plan). So, as a skier rents until renting has
+# cost what buying would, a graph's first SYMBOLIC_AFTER plans are profiled at their
+# shapes, as before, and the next one on symbolic sizes: a run pays at most about twice the
+# least planning time it could have had, and one whose shapes keep coming (two sizes
+# varying: rows and length, height and width) pays an evaluation and a search per new plan
+# from then on. The plans are the same either way (an evaluation equals the profile); only
+# the time differs.
 #
 # The head in chunks has its formulas per chunk count, on one chunked graph per count that
 # runs at every shape (NOTE [ A chunked head for every shape ] in autockpt/running/head.py);

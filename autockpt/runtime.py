@@ -155,12 +155,11 @@ class _Family:
     are estimated to have recomputed (NOTE [ Buckets of shapes ] in
     :mod:`autockpt.planning.buckets`)."""
     plan_seconds: float | None = None
-    """What the structure's last plan took to make (profile, search, compile)."""
+    """What the structure's last plan took to make (profile, search, compile; not the
+    capture)."""
     failed_beyond: list[Shapes] = field(default_factory=list)
     """The largest sizes met at which a plan failed (a budget no plan meets there, a size the
     graph fixes): no call larger than every plan is planned at sizes at least those again."""
-    capture_seconds: float = 0.0
-    """What the plan being made spent capturing a graph (left out of :attr:`plan_seconds`)."""
     pricing: dict[int, pipeline.ShapePricing] = field(default_factory=dict)
     """By graph (its index in :attr:`graphs`): its profile at every shape (NOTE [ Pricing
     every shape of a shared graph ] in :mod:`autockpt.pipeline`)."""
@@ -362,27 +361,18 @@ class RuntimeState:
         # budget only the call's own size meets: the next smaller target.
         targets = [t for i, t in enumerate((beyond, target, shapes))
                    if t is not None and t not in (beyond, target, shapes)[:i]]
-        start = time.perf_counter()
-        try:
-            for at in targets:
-                try:
-                    variant = self._price(module, args, kwargs, arguments, key, family, shapes,
-                                          at, stated and at == target)
-                except Exception:
-                    if at == targets[-1]:
-                        raise
-                    if at == beyond:
-                        family.failed_beyond.append(at)
-                    continue
-                if at == beyond and at != target:
-                    # Planned beyond the call's bucket: it stands in for the bucket's plan.
-                    return variant, _StandIn(family, target)
-                return variant, None
-            raise AssertionError("unreachable: the last target raises or returns")
-        finally:
-            # A capture is made once per structure: what a later plan costs is the rest.
-            family.plan_seconds = time.perf_counter() - start - family.capture_seconds
-            family.capture_seconds = 0.0
+        for at in targets[:-1]:
+            try:
+                variant = self._price(module, args, kwargs, arguments, key, family, shapes, at,
+                                      stated and at == target)
+            except Exception:
+                if at == beyond:
+                    family.failed_beyond.append(at)
+                continue
+            # Planned beyond the call's bucket: it stands in for the bucket's plan.
+            return variant, _StandIn(family, target) if at == beyond != target else None
+        return self._price(module, args, kwargs, arguments, key, family, shapes, targets[-1],
+                           stated and targets[-1] == target), None
 
     def _price(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                arguments: dict[str, Any], key: tuple[Any, ...], family: _Family,
@@ -399,13 +389,13 @@ class RuntimeState:
             raise AutockptError(f"the graph fixes a size of {_describe_shapes(arguments)}",
                                 fix="none needed: planned at a smaller shape")
         if graph is None:
-            start = time.perf_counter()
             graph = pipeline.capture_shared(module, args, kwargs, self.config)
-            family.capture_seconds += time.perf_counter() - start
             family.graphs.append(graph)
             if not _runs_at(graph, priced):
                 raise AutockptError(f"the graph fixes a size of {_describe_shapes(arguments)}",
                                     fix="none needed: planned at the call's own shape")
+        # A capture is made once per structure: what a later plan costs is the rest.
+        start = time.perf_counter()
         pricing = family.pricing.setdefault(family.graphs.index(graph),
                                             pipeline.ShapePricing())
         built = pipeline.plan_shared(module, graph, priced_args, priced_kwargs, priced,
@@ -435,6 +425,7 @@ class RuntimeState:
                                stated=stated, graph=graph)
             self.by_id.setdefault(variant_id, variant)
         family.plans.append(variant)
+        family.plan_seconds = time.perf_counter() - start
         return variant
 
     def _build(
